@@ -1,0 +1,135 @@
+"""Session-wide checks: no test may leave a process, a zombie or a file descriptor behind.
+
+Every test runs with a unique marker in the environment (``AIOELASTIC_TEST_MARK``).
+Workers, their children and even descendants that escaped into their own session inherit
+it, so after the test any live process carrying the marker is a leak, wherever it was
+re-parented. Zombies are attributed by parent: a zombie child of the test process is a
+worker the supervisor did not reap. (Orphans re-parented to PID 1 are PID 1's to reap;
+on this project's CI machines PID 1 does not reap at all, so those are not counted.)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+MARK_VAR = "AIOELASTIC_TEST_MARK"
+
+
+def _processes_with_mark(mark: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries ``mark``."""
+    needle = f"{MARK_VAR}={mark}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            continue
+        if needle in environ.split(b"\0") and _state(int(entry)) not in ("Z", "X", None):
+            found.append(int(entry))
+    return found
+
+
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
+
+
+def _zombie_children() -> list[int]:
+    me = os.getpid()
+    zombies = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if fields[0] == b"Z" and int(fields[1]) == me:
+            zombies.append(int(entry))
+    return zombies
+
+
+def _open_fds() -> dict[int, str]:
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+    return fds
+
+
+def _long_lived_helper_pids() -> set[int]:
+    """Processes aioelastic keeps on purpose between runs (the warm fork servers)."""
+    from aioelastic import _forkserver
+
+    return set(_forkserver.running_server_pids())
+
+
+def _long_lived_helper_fds() -> set[int]:
+    from aioelastic import _forkserver
+
+    return set(_forkserver.open_server_fds())
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Fail the test that leaves a live process, an unreaped child or an open fd behind."""
+    mark = uuid.uuid4().hex
+    os.environ[MARK_VAR] = mark
+    fds_before = _open_fds()
+    zombies_before = set(_zombie_children())
+    try:
+        yield
+    finally:
+        del os.environ[MARK_VAR]
+    problems = []
+    helpers = _long_lived_helper_pids()
+    leaked = [pid for pid in _processes_with_mark(mark) if pid not in helpers]
+    if leaked:
+        problems.append(f"live processes left behind: {leaked}")
+        for pid in leaked:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    zombies = [pid for pid in _zombie_children() if pid not in zombies_before]
+    if zombies:
+        problems.append(f"unreaped children (zombies): {zombies}")
+        for pid in zombies:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+    helper_fds = _long_lived_helper_fds()
+    fds_after = _open_fds()
+    new_fds = {
+        fd: target
+        for fd, target in fds_after.items()
+        if fd not in helper_fds and fds_before.get(fd) != target
+    }
+    if new_fds:
+        problems.append(f"file descriptors left open: {new_fds}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+@pytest.fixture
+def tmp_log_dir(tmp_path: Path) -> Path:
+    """A log directory that does not exist yet (start_processes creates it)."""
+    return tmp_path / "logs"
