@@ -1,0 +1,25 @@
+"""aioelastic: an asyncio-native process supervisor for training workers.
+
+What ``torch.distributed.elastic`` and ``torchrun`` would be if designed for async code.
+Importing this package never imports torch.
+"""
+
+from ._errors import ChildFailedError, ProcessFailure, record
+from ._pcontext import PContext, run_processes, start_processes
+from ._results import RunProcsResult
+from ._std import Std, to_map
+
+__all__ = [
+    # Running a group of workers
+    "PContext",
+    "run_processes",
+    "start_processes",
+    # Results and errors
+    "ChildFailedError",
+    "ProcessFailure",
+    "RunProcsResult",
+    "record",
+    # Logs
+    "Std",
+    "to_map",
+]

@@ -1,0 +1,184 @@
+"""The child side of a function worker: from a fresh process to ``entrypoint(*args)``.
+
+Every start method ends in :func:`run_call`, which calls the user's function, records an
+uncaught exception in the error file (torch's format) and sends the return value back
+through the result pipe. What differs is how the process got here:
+
+* spawn: a new interpreter runs :func:`spawn_main`, which reads the pickled call from a
+  pipe after re-importing the parent's ``__main__`` the way ``multiprocessing`` does;
+* fork / fork server: :func:`forked_worker` runs in the freshly forked child and must
+  first undo what it inherited (signal handlers, the event loop's wakeup fd, the
+  supervisor's private file descriptors).
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing.spawn
+import os
+import pickle
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from . import _platform
+from ._result_pipe import send_result
+
+
+@dataclass
+class FunctionCall:
+    """What a function worker runs: ``fn(*args)`` with ``env`` as its environment."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    env: dict[str, str]
+    error_file: str
+
+
+def run_call(call: FunctionCall, result_fd: int) -> int:
+    """Run the call, report its outcome, and return the process exit code."""
+    from ._errors import write_error_file
+
+    try:
+        value = call.fn(*call.args)
+    except SystemExit as exc:
+        os.close(result_fd)
+        return _exit_code_of(exc)
+    except BaseException as exc:
+        os.close(result_fd)
+        # Printed as well as recorded: the traceback then also reaches stderr logs.
+        traceback.print_exc()
+        write_error_file(call.error_file, exc)
+        return 1
+    try:
+        payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        os.close(result_fd)
+        message = (
+            f"{type(exc).__name__}: the return value of {_describe(call.fn)} "
+            f"(of type {type(value).__qualname__}) could not be pickled to send it to the "
+            f"supervisor: {exc}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        write_error_file(call.error_file, exc, message=message)
+        return 1
+    try:
+        send_result(result_fd, payload)
+    except BrokenPipeError:
+        return 1  # the supervisor is gone; the parent-death signal follows
+    return 0
+
+
+def _exit_code_of(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr, flush=True)
+    return 1
+
+
+def _describe(fn: Callable[..., Any]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
+    """Entry point of a spawned interpreter (``python -c`` calls it with inherited fds)."""
+    _platform.die_with_parent(parent_pid)
+    with open(payload_fd, "rb") as f:
+        data = f.read()
+    unpickler = pickle.Unpickler(io.BytesIO(data))
+    # The preparation data re-imports the parent's __main__ as __mp_main__ first, so
+    # that the call's functions defined in the user's script can be unpickled.
+    multiprocessing.spawn.prepare(unpickler.load())
+    call: FunctionCall = unpickler.load()
+    os.environ.clear()
+    os.environ.update(call.env)
+    # Line-buffered like a terminal, so tee'd and logged lines appear as they are printed.
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
+    sys.exit(run_call(call, result_fd))
+
+
+def forked_worker(
+    *,
+    parent_pid: int,
+    stdout_fd: int | None,
+    stderr_fd: int,
+    result_fd: int,
+    close_fds: Iterable[int],
+    call: FunctionCall | None = None,
+    payload_fd: int | None = None,
+) -> NoReturn:
+    """Body of a child made by ``fork()``; never returns.
+
+    ``call`` is given directly for the fork start method (nothing is pickled, as with
+    ``multiprocessing``'s fork); a fork server passes ``payload_fd`` to read it from.
+    """
+    code = 1
+    try:
+        os.setpgid(0, 0)
+        _platform.die_with_parent(parent_pid)
+        _reset_inherited_signal_state()
+        keep = {stderr_fd, result_fd}
+        if stdout_fd is not None:
+            keep.add(stdout_fd)
+        if payload_fd is not None:
+            keep.add(payload_fd)
+        for fd in close_fds:
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        _redirect_stdio(stdout_fd, stderr_fd)
+        if call is None:
+            assert payload_fd is not None
+            with open(payload_fd, "rb") as f:
+                call = pickle.load(f)
+        assert call is not None
+        os.environ.clear()
+        os.environ.update(call.env)
+        code = run_call(call, result_fd)
+    except SystemExit as exc:
+        code = _exit_code_of(exc)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        # Never run the parent's atexit handlers or unwind into its event loop.
+        os._exit(code)
+
+
+def _reset_inherited_signal_state() -> None:
+    # The parent's event loop set a wakeup fd; left in place, a signal to this child
+    # would be written into the *parent's* loop and run the parent's handlers.
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def _redirect_stdio(stdout_fd: int | None, stderr_fd: int) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if stdout_fd is not None:
+        os.dup2(stdout_fd, 1)
+        os.close(stdout_fd)
+    os.dup2(stderr_fd, 2)
+    os.close(stderr_fd)
+    # Fresh stream objects on the new fds: the inherited ones may be replaced objects
+    # (a test runner's capture) or hold the parent's unflushed buffer.
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the process
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115

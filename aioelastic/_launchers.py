@@ -1,0 +1,212 @@
+"""Creating one worker process: a binary, a spawned interpreter, or a fork.
+
+These calls block (fork, exec, the exec-error handshake), so the supervisor runs them on
+*launcher threads*. That choice has a kernel consequence: ``PR_SET_PDEATHSIG`` fires when
+the **thread** that forked a child exits, not the process. A worker forked from a pooled
+thread that is later retired for being idle (anyio's pool retires threads after 10 s)
+would be killed for no reason. So launcher threads belong to a dedicated executor whose
+threads never retire: they end only when the interpreter ends, which is exactly when the
+workers should die.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing.spawn
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+
+from . import _platform
+from ._bootstrap import FunctionCall, forked_worker
+from ._exit_watch import ExitWatch, watch_child
+
+T = TypeVar("T")
+
+_LAUNCHER_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _launcher_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _platform.load_prctl()
+            _pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="aioelastic-launch")
+        return _pool
+
+
+async def on_launcher_thread(fn: Callable[..., T], *args: object) -> T:
+    """Run the blocking start call ``fn(*args)`` on a launcher thread.
+
+    Shielded from cancellation: once a process may have been created its handle must
+    reach the caller, who records it so that teardown can stop it. A start call takes
+    milliseconds, so the shield delays a cancellation by no more than that.
+    """
+    future = _launcher_pool().submit(fn, *args)
+    with anyio.CancelScope(shield=True):
+        result: T = await asyncio.wrap_future(future)
+    return result
+
+
+@dataclass
+class Launched:
+    """A process that now exists: its pid, how to learn its exit, and how to feed it."""
+
+    pid: int
+    watch: ExitWatch
+    #: For spawned and fork-server workers: the pipe the parent writes the pickled call to.
+    payload_fd: int | None = None
+
+
+def _disown(popen: subprocess.Popen[bytes]) -> None:
+    # The exit is watched and the zombie reaped by our ExitWatch, after teardown. Left
+    # with returncode None, subprocess would put a collected Popen on its _active list
+    # and reap the pid behind our back, freeing the pid/pgid while we may still signal it.
+    popen.returncode = 0
+
+
+def _binary_preexec(parent_pid: int) -> Callable[[], None]:
+    def preexec() -> None:
+        _platform.die_with_parent(parent_pid)
+
+    return preexec
+
+
+def start_binary(
+    argv: Sequence[str], env: dict[str, str], stdout_fd: int | None, stderr_fd: int
+) -> Launched:
+    """Start ``argv`` (no shell) in a new process group with a parent-death signal."""
+    popen = subprocess.Popen(
+        list(argv),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout_fd,
+        stderr=stderr_fd,
+        close_fds=True,
+        # prctl() has to happen between fork and exec for a binary we do not control.
+        **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
+    )
+    launched = Launched(popen.pid, watch_child(popen.pid))
+    _disown(popen)
+    return launched
+
+
+def python_command(code: str) -> list[str]:
+    """The command line of a fresh interpreter, with this one's flags, running ``code``."""
+    package_parent = str(Path(__file__).resolve().parent.parent)
+    bootstrap = f"import sys; sys.path.append({package_parent!r}); {code}"
+    return [
+        multiprocessing.spawn.get_executable(),
+        *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
+        "-c",
+        bootstrap,
+    ]
+
+
+def start_python(
+    code: str,
+    env: dict[str, str],
+    stdout_fd: int | None,
+    stderr_fd: int | None,
+    pass_fds: Sequence[int],
+) -> subprocess.Popen[bytes]:
+    """Start a fresh interpreter running ``code``, in its own process group.
+
+    No ``preexec_fn`` here (so the fast vfork path stays available): the bootstrap code
+    sets the parent-death signal itself and checks that its parent is still alive.
+    """
+    return subprocess.Popen(
+        python_command(code),
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=stdout_fd,
+        stderr=stderr_fd,
+        pass_fds=tuple(pass_fds),
+        close_fds=True,
+        **_platform.new_group_popen_kwargs(),
+    )
+
+
+def preparation_data(name: str) -> dict[str, object]:
+    """What a fresh interpreter needs to unpickle our functions (``multiprocessing``'s).
+
+    It makes the child re-import our ``__main__`` as ``__mp_main__`` and adopt our
+    ``sys.path`` and working directory. The authentication key is dropped: it is only
+    for ``multiprocessing`` connections, which our workers do not use, and it refuses to
+    be pickled outside ``multiprocessing``'s own spawning.
+    """
+    data: dict[str, object] = multiprocessing.spawn.get_preparation_data(name)
+    data.pop("authkey", None)
+    return data
+
+
+def start_spawn(
+    env: dict[str, str], stdout_fd: int | None, stderr_fd: int, result_fd: int
+) -> Launched:
+    """Start a spawned function worker; the caller writes the call to ``payload_fd``."""
+    payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        popen = start_python(
+            "from aioelastic._bootstrap import spawn_main; "
+            f"spawn_main({payload_r}, {result_fd}, {os.getpid()})",
+            env,
+            stdout_fd,
+            stderr_fd,
+            pass_fds=(payload_r, result_fd),
+        )
+    except BaseException:
+        os.close(payload_w)
+        raise
+    finally:
+        os.close(payload_r)
+    launched = Launched(popen.pid, watch_child(popen.pid), payload_fd=payload_w)
+    _disown(popen)
+    return launched
+
+
+def flush_std_streams() -> None:
+    """Flush our own stdio so a forked child does not inherit (and repeat) buffered text."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, ValueError, OSError):
+            pass
+
+
+def start_fork(
+    call: FunctionCall,
+    stdout_fd: int | None,
+    stderr_fd: int,
+    result_fd: int,
+    parent_side_fds: Sequence[int],
+) -> Launched:
+    """Fork a function worker from this process (``multiprocessing``'s "fork" semantics)."""
+    flush_std_streams()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:
+        forked_worker(
+            parent_pid=parent,
+            stdout_fd=stdout_fd,
+            stderr_fd=stderr_fd,
+            result_fd=result_fd,
+            close_fds=parent_side_fds,
+            call=call,
+        )
+    # Both sides call setpgid: whichever runs first wins, so a signal to the group can
+    # never arrive before the group exists.
+    try:
+        os.setpgid(pid, pid)
+    except OSError:
+        pass
+    return Launched(pid, watch_child(pid))

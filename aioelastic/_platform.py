@@ -1,0 +1,174 @@
+"""Linux process primitives, each with the fallback used where the kernel lacks it.
+
+Everything that differs between "a modern Linux kernel" and "something else" sits here:
+pidfd support, ``prctl`` (parent-death signal, child subreaper), and finding the live
+members of a process group. The rest of the package asks these functions and never
+checks the platform itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import functools
+import os
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+#: Set to ``1`` to make aioelastic behave as if the kernel had no pidfd support
+#: (exit waits fall back to a ``waitid`` thread). Used by the tests of the fallback.
+NO_PIDFD_ENV = "AIOELASTIC_NO_PIDFD"
+
+
+@functools.cache
+def pidfd_supported() -> bool:
+    """Whether ``pidfd_open`` works here (Linux >= 5.3 and not disabled by the env)."""
+    if os.environ.get(NO_PIDFD_ENV) == "1" or not hasattr(os, "pidfd_open"):
+        return False
+    try:
+        fd = os.pidfd_open(os.getpid())
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+@functools.cache
+def _libc_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+    except OSError:
+        return None
+    prctl = libc.prctl
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl
+
+
+def load_prctl() -> None:
+    """Resolve ``prctl`` now, so that a child between fork and exec only calls it.
+
+    Loading a shared library after ``fork()`` in a multi-threaded parent could deadlock
+    on the dynamic loader's lock, so every launch path calls this first.
+    """
+    _libc_prctl()
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send ``sig`` to this process when its parent *thread* exits.
+
+    Returns ``False`` where ``prctl`` is not available (the caller then relies on the
+    supervisor's explicit teardown only).
+    """
+    prctl = _libc_prctl()
+    if prctl is None:
+        return False
+    return bool(prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0)
+
+
+def set_child_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (``PR_SET_CHILD_SUBREAPER``)."""
+    prctl = _libc_prctl()
+    if prctl is None:
+        return False
+    return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+
+
+def die_with_parent(expected_parent: int) -> None:
+    """In a fresh child: die with the supervisor, closing the race where it already died.
+
+    ``PR_SET_PDEATHSIG`` only covers a parent that dies *after* the call; a parent that
+    died between our fork and this call has already re-parented us, which ``getppid``
+    shows.
+    """
+    set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != expected_parent:
+        os._exit(1)
+
+
+def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
+    """The running (non-zombie) processes of each process group in ``pgids``.
+
+    One pass over ``/proc``; a group with no live member is absent from the result.
+    Used only during teardown, to wait for and kill the children of workers.
+    """
+    members: dict[int, list[int]] = {}
+    if not pgids:
+        return members
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return members
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may contain spaces and parentheses: fields start after the
+        # last ')'. Fields from there: state, ppid, pgrp.
+        fields = stat[stat.rindex(b")") + 2 :].split(None, 3)
+        if fields[0] in (b"Z", b"X"):
+            continue
+        pgrp = int(fields[2])
+        if pgrp in pgids:
+            members.setdefault(pgrp, []).append(int(entry))
+    return members
+
+
+def signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; ``False`` if the group no longer exists."""
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        # A member changed credentials (setuid exec); the rest still got the signal.
+        return True
+    return True
+
+
+def pidfd_open(pid: int) -> int | None:
+    """A pidfd for ``pid``, or ``None`` without pidfd support or when it already exited."""
+    if not pidfd_supported():
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno in (errno.ESRCH, errno.EINVAL, errno.ENOSYS, errno.EPERM):
+            return None
+        raise
+
+
+def new_group_popen_kwargs(preexec: Callable[[], None] | None = None) -> dict[str, Any]:
+    """``subprocess.Popen`` arguments that start the child in its own process group.
+
+    Python 3.11 sets the group between fork and exec without a ``preexec_fn`` (keeping
+    the fast vfork path); on 3.10 the group is set by a ``preexec_fn``.
+    """
+    if sys.version_info < (3, 11):
+
+        def group_then_preexec() -> None:
+            os.setpgid(0, 0)
+            if preexec is not None:
+                preexec()
+
+        return {"preexec_fn": group_then_preexec}
+    return {"process_group": 0, "preexec_fn": preexec}
+
+
+def returncode_from_siginfo(info: os.waitid_result) -> int:
+    """``waitid`` result to a ``subprocess``-style return code (negative = signal)."""
+    if info.si_code == os.CLD_EXITED:
+        return int(info.si_status)
+    return -int(info.si_status)

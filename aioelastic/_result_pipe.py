@@ -1,0 +1,79 @@
+"""How a function worker's return value travels to the supervisor: one framed pipe message.
+
+The worker writes an 8-byte length and then the pickled value. The supervisor reads the
+pipe concurrently with everything else, so a large value (hundreds of MB) never blocks
+the worker on a full pipe while the supervisor waits for its exit. Framing matters
+because end-of-file cannot be trusted: a grandchild forked by the worker (a data-loader
+process, say) inherits the write end and keeps the pipe open after the worker is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import anyio
+
+_HEADER = struct.Struct("=Q")
+_CHUNK = 1 << 20
+
+
+def send_result(fd: int, payload: bytes | memoryview) -> None:
+    """Child side: write one framed message to ``fd`` (blocking) and close it."""
+    try:
+        for part in (_HEADER.pack(len(payload)), payload):
+            view = memoryview(part)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+    finally:
+        os.close(fd)
+
+
+class ResultReceiver:
+    """Supervisor side: collects the framed message from one worker's result pipe."""
+
+    def __init__(self, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fd: int | None = fd
+        self._buffer = bytearray()
+        self._expected: int | None = None
+
+    @property
+    def complete(self) -> bool:
+        """Whether the whole message has arrived."""
+        return self._expected is not None and len(self._buffer) >= self._expected
+
+    def payload(self) -> bytes:
+        """The pickled value; only valid once :attr:`complete`."""
+        assert self._expected is not None
+        return bytes(self._buffer[: self._expected])
+
+    def drain(self) -> bool:
+        """Read everything available now; ``True`` once complete or at end-of-file."""
+        while self._fd is not None and not self.complete:
+            try:
+                chunk = os.read(self._fd, _CHUNK)
+            except BlockingIOError:
+                return False
+            if not chunk:
+                self.close()
+                return True
+            self._buffer += chunk
+            if self._expected is None and len(self._buffer) >= _HEADER.size:
+                (self._expected,) = _HEADER.unpack_from(self._buffer)
+                del self._buffer[: _HEADER.size]
+        if self.complete:
+            self.close()
+        return True
+
+    async def run(self) -> None:
+        """Read until the message is complete or the pipe reaches end-of-file."""
+        while self._fd is not None and not self.drain():
+            await anyio.wait_readable(self._fd)
+
+    def close(self) -> None:
+        """Close the read end (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

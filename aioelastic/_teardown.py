@@ -1,0 +1,105 @@
+"""The one teardown: signal every worker's process group, grace period, SIGKILL, reap.
+
+Every way a group of workers ends goes through :func:`stop_workers`: ``close()``, the
+failure path of ``wait()``, leaving the ``async with`` block, cancellation, and the
+signal handlers of ``launch``, the agent and the CLI. It signals process groups, not
+pids, so a worker's children (data-loader processes, shell pipelines) stop with it; and
+it signals the groups of workers that already exited too, because their children may
+still run. Leaders are reaped only at the very end: until then their pid, and so the
+process-group id, cannot be recycled, so no signal can reach an unrelated process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Iterable, Sequence
+
+import anyio
+
+from . import _platform
+from ._worker import WorkerProcess
+
+logger = logging.getLogger("aioelastic")
+
+#: How long to wait, after SIGKILL, for a worker's *children* to be gone. They are not
+#: ours to reap; SIGKILL cannot be caught, so this bound is only met by a process stuck
+#: in uninterruptible sleep (the kernel finishes it later).
+CHILDREN_KILL_TIMEOUT = 5.0
+
+
+async def stop_workers(
+    workers: Iterable[WorkerProcess],
+    death_sig: int,
+    grace_period: float,
+    escalate: anyio.Event,
+) -> None:
+    """Stop ``workers`` and everything in their process groups, then reap them.
+
+    Args:
+        workers: The workers (running or exited, not yet reaped).
+        death_sig: The first signal (SIGTERM by default).
+        grace_period: Seconds to wait for the groups to empty before SIGKILL.
+        escalate: Set by a second stop request: skip the rest of the grace period.
+    """
+    pending = [w for w in workers if not w.reaped]
+    if not pending:
+        return
+    pgids = {w.pid for w in pending}
+    for worker in pending:
+        if worker.returncode is None:
+            worker.signalled = True
+        _platform.signal_group(worker.pid, death_sig)
+
+    if death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set():
+        with anyio.move_on_after(grace_period):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_cancel_on, escalate, tg.cancel_scope)
+                await _groups_empty(pending, pgids, children_timeout=None)
+                tg.cancel_scope.cancel()
+
+    for pgid in pgids:
+        _platform.signal_group(pgid, signal.SIGKILL)
+    await _groups_empty(pending, pgids, children_timeout=CHILDREN_KILL_TIMEOUT)
+    for worker in pending:
+        worker.launched.watch.reap()
+        worker.reaped = True
+
+
+async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _groups_empty(
+    workers: Sequence[WorkerProcess], pgids: set[int], children_timeout: float | None
+) -> None:
+    """Wait until every worker exited and no other member of their groups runs."""
+    for worker in workers:
+        await worker.exited.wait()
+    members = _platform.live_group_members(pgids)
+    pidfds = []
+    for pids in members.values():
+        for pid in pids:
+            fd = _platform.pidfd_open(pid)
+            if fd is not None:
+                pidfds.append(fd)
+    if not pidfds:
+        return
+    try:
+        with anyio.move_on_after(
+            children_timeout if children_timeout is not None else float("inf")
+        ) as scope:
+            for fd in pidfds:
+                await anyio.wait_readable(fd)
+        if scope.cancelled_caught:
+            logger.warning(
+                "aioelastic: children of workers in process groups %s did not exit %.0f s "
+                "after SIGKILL (uninterruptible sleep?)",
+                sorted(members),
+                children_timeout,
+            )
+    finally:
+        for fd in pidfds:
+            os.close(fd)
