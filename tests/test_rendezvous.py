@@ -1,0 +1,217 @@
+"""The rendezvous adapters: torch's own static and c10d handlers, awaited off the loop."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import time
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+torch_distributed = pytest.importorskip("torch.distributed")
+
+from aioelastic._rendezvous import (  # noqa: E402
+    Rendezvous,
+    RendezvousOutcome,
+    create_rdzv_handler,
+    standalone_handler,
+)
+
+pytestmark = pytest.mark.torch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_store_warmed() -> None:
+    """torch opens a process-wide pipe with the first TCPStore and keeps it for good.
+
+    Create it before any test's file-descriptor snapshot, so the leak check sees only what
+    a test itself leaves open.
+    """
+    store = torch_distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    del store
+
+
+@pytest.fixture(autouse=True)
+def _collect_stores() -> Iterator[None]:
+    """Free the TCPStores (and their sockets) a test dropped before the leak check runs."""
+    yield
+    gc.collect()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_static_single_node_reuses_its_store_across_rounds() -> None:
+    port = free_port()
+    handler = await create_rdzv_handler("static", f"127.0.0.1:{port}", "job", 1, 1, rank=0)
+    rdzv = Rendezvous(handler, owned=True)
+    assert rdzv.backend == "static"
+    assert rdzv.run_id == "job"
+    assert rdzv.use_agent_store
+    assert not rdzv.membership_can_change
+    first = await rdzv.next_rendezvous("trainer", 3)
+    assert (first.group_rank, first.group_world_size) == (0, 1)
+    assert (first.master_addr, first.master_port) == ("127.0.0.1", port)
+    assert (first.base_global_rank, first.world_size) == (0, 3)
+    assert (first.base_role_rank, first.role_world_size) == (0, 3)
+    again = await rdzv.next_rendezvous("trainer", 3, master_addr="10.0.0.1", master_port=1234)
+    assert (again.master_addr, again.master_port) == ("10.0.0.1", 1234)
+    assert await rdzv.num_nodes_waiting() == 0
+    assert await rdzv.exit_barrier(5.0)
+    await rdzv.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_standalone_is_torchruns_single_node_default() -> None:
+    rdzv = Rendezvous(await standalone_handler(), owned=True)
+    assert rdzv.backend == "c10d"
+    assert rdzv.use_agent_store
+    assert rdzv.membership_can_change
+    outcome = await rdzv.next_rendezvous("default", 2)
+    assert (outcome.group_rank, outcome.group_world_size, outcome.world_size) == (0, 1, 2)
+    # The agent hosts a TCPStore for the workers; they connect to it as clients.
+    client = torch_distributed.TCPStore(
+        outcome.master_addr, outcome.master_port, is_master=False, wait_for_workers=False
+    )
+    client.set("hello", "world")
+    assert client.get("hello") == b"world"
+    del client
+    assert await rdzv.num_nodes_waiting() == 0
+    await rdzv.aclose()
+
+
+async def _join_both(
+    a: Rendezvous, b: Rendezvous, sizes: tuple[int, int]
+) -> tuple[RendezvousOutcome, RendezvousOutcome]:
+    results: dict[str, RendezvousOutcome] = {}
+
+    async def join(name: str, rdzv: Rendezvous, size: int) -> None:
+        results[name] = await rdzv.next_rendezvous("trainer", size)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(join, "a", a, sizes[0])
+        tg.start_soon(join, "b", b, sizes[1])
+    return results["a"], results["b"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_c10d_two_nodes_assign_contiguous_ranks_and_share_the_exit_barrier() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = {"join_timeout": 20, "last_call_timeout": 1, "is_host": True}
+    host = Rendezvous(
+        await create_rdzv_handler("c10d", endpoint, "two", 2, 2, local_addr="127.0.0.1", **conf),
+        owned=True,
+    )
+    conf["is_host"] = False
+    peer = Rendezvous(
+        await create_rdzv_handler("c10d", endpoint, "two", 2, 2, local_addr="127.0.0.1", **conf),
+        owned=True,
+    )
+    a, b = await _join_both(host, peer, (1, 3))
+    assert sorted([a.group_rank, b.group_rank]) == [0, 1]
+    assert a.group_world_size == b.group_world_size == 2
+    assert a.world_size == b.world_size == a.role_world_size == 4
+    # Nodes take contiguous rank ranges in node order, sized by their worker counts.
+    first, second = sorted([(a, 1), (b, 3)], key=lambda pair: pair[0].group_rank)
+    assert first[0].base_global_rank == 0
+    assert second[0].base_global_rank == first[1]
+    assert (a.master_addr, a.master_port) == (b.master_addr, b.master_port)
+
+    # Alone at the barrier, a node gives up after its timeout and reports it.
+    started = time.monotonic()
+    assert not await host.exit_barrier(0.5)
+    assert time.monotonic() - started < 10
+    assert await peer.exit_barrier(5.0)
+    await peer.aclose(shutdown=False)
+    await host.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_cancelled_join_returns_at_once_and_later_calls_queue_behind_it() -> None:
+    handler = await create_rdzv_handler(
+        "c10d",
+        f"127.0.0.1:{free_port()}",
+        "lonely",
+        2,
+        2,
+        local_addr="127.0.0.1",
+        join_timeout=3,
+    )
+    rdzv = Rendezvous(handler, owned=True)
+    started = time.monotonic()
+    with anyio.move_on_after(0.5) as scope:
+        await rdzv.next_rendezvous("trainer", 1)  # needs a second node that never comes
+    assert scope.cancelled_caught
+    assert time.monotonic() - started < 2.0
+    # The abandoned join still owns the handler until torch's join timeout; the next call
+    # waits for it instead of racing it inside torch's non-thread-safe handler.
+    assert await rdzv.num_nodes_waiting() == 0
+    assert time.monotonic() - started >= 3.0
+    await rdzv.aclose()
+
+
+@pytest.mark.asyncio
+async def test_misuse_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="min_nodes <= max_nodes"):
+        await create_rdzv_handler("c10d", "localhost:0", "x", 2, 1)
+    with pytest.raises(TypeError, match="min_nodes must be an int"):
+        await create_rdzv_handler("c10d", "localhost:0", "x", "1", 1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="backend"):
+        await create_rdzv_handler("", "localhost:0", "x", 1, 1)
+    with pytest.raises(ValueError, match="run_id"):
+        await create_rdzv_handler("c10d", "localhost:0", "", 1, 1)
+    with pytest.raises(TypeError, match="RendezvousHandler"):
+        Rendezvous(object())  # type: ignore[arg-type]
+    # torch's own validation still applies, raised from the creating thread.
+    with pytest.raises(ValueError, match="not registered"):
+        await create_rdzv_handler("no-such-backend", "localhost:0", "x", 1, 1)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_node_joining_a_later_round_gets_the_worker_store_of_rank_0() -> None:
+    # torch 2.13 alone: the late node blocks in next_rendezvous until its store read times
+    # out, because rank 0 publishes the worker store only in the first round it hosts.
+    endpoint = f"127.0.0.1:{free_port()}"
+    conf = {"join_timeout": 30, "last_call_timeout": 1, "read_timeout": 20}
+    first = Rendezvous(
+        await create_rdzv_handler(
+            "c10d", endpoint, "grow", 1, 2, local_addr="127.0.0.1", is_host=True, **conf
+        ),
+        owned=True,
+    )
+    alone = await first.next_rendezvous("trainer", 2)
+    assert (alone.group_world_size, alone.world_size) == (1, 2)
+    late = Rendezvous(
+        await create_rdzv_handler(
+            "c10d", endpoint, "grow", 1, 2, local_addr="127.0.0.1", is_host=False, **conf
+        ),
+        owned=True,
+    )
+    started = time.monotonic()
+    async with anyio.create_task_group() as tg:
+        joined: list[RendezvousOutcome] = []
+
+        async def join_late() -> None:
+            joined.append(await late.next_rendezvous("trainer", 2))
+
+        tg.start_soon(join_late)
+        while await first.num_nodes_waiting() == 0:
+            await anyio.sleep(0.1)
+        grown = await first.next_rendezvous("trainer", 2)
+    assert time.monotonic() - started < 15
+    assert (grown.group_world_size, grown.world_size) == (2, 4)
+    assert joined[0].world_size == 4
+    assert (joined[0].master_addr, joined[0].master_port) == (grown.master_addr, grown.master_port)
+    await late.aclose(shutdown=False)
+    await first.aclose()
