@@ -1,0 +1,193 @@
+"""Command line of the suite: ``python -m benchmarks [--quick] [--only ...] [--ns ...] ...``.
+
+Progress goes to stderr as it happens; the table goes to stdout at the end. The exit
+status is 1 when a system broke (a bug in the suite or in the code under test), 0
+otherwise, also when the aioelastic side of a measure is not available yet (``n/a``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._harness import ROOT, Harness, Plan, Series
+from benchmarks._reaper import become_subreaper, reap_all
+from benchmarks._report import build_rows, plot, render_problems, render_table
+from benchmarks._spec import Measure
+from benchmarks.measures import all_measures
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 1,2,4, got {text!r}"
+        ) from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,2,4, got {text!r}")
+    return values
+
+
+def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
+    names = ", ".join(f"{m.name} ({m.letter})" for m in measures)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=(
+            "Run aioelastic and its torch equivalents on the same workloads, repetitions "
+            "interleaved, and print per measure and N: medians, ratio, min..max, repetitions."
+        ),
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run (CI): small N, one repetition, short idle times; checks that the "
+        "suite works, its numbers mean little",
+    )
+    parser.add_argument("--only", metavar="MEASURE[,..]", help=f"run only these measures: {names}")
+    parser.add_argument(
+        "--ns", type=_int_list, metavar="1,2,4", help="run these N instead of each measure's"
+    )
+    parser.add_argument(
+        "--reps", type=int, metavar="K", help="repetitions per N instead of each measure's"
+    )
+    parser.add_argument(
+        "--json", type=Path, metavar="FILE", help="write every sample and the table rows as JSON"
+    )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="FILE.png",
+        help="draw startup latency against N (needs matplotlib)",
+    )
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the run directory (drivers' logs) and print its path",
+    )
+    return parser
+
+
+def _select(measures: list[Measure], only: str | None) -> list[Measure]:
+    if not only:
+        return measures
+    wanted = [x.strip() for x in only.split(",") if x.strip()]
+    by_name = {m.name: m for m in measures} | {m.letter: m for m in measures}
+    unknown = [w for w in wanted if w not in by_name]
+    if unknown:
+        raise SystemExit(
+            f"--only: unknown measure(s) {', '.join(unknown)}; choose from "
+            + ", ".join(m.name for m in measures)
+        )
+    chosen = {by_name[w].name for w in wanted}
+    return [m for m in measures if m.name in chosen]
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks " + shlex.join(argv),
+        "quick": quick,
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "aioelastic": _version("aioelastic"),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the suite; see ``python -m benchmarks --help``."""
+    args_list = sys.argv[1:] if argv is None else argv
+    measures = all_measures()
+    args = _parser(measures).parse_args(args_list)
+    selected = _select(measures, args.only)
+    meta = _meta(args_list, args.quick)
+    plan = Plan(measures=selected, quick=args.quick, ns=args.ns, reps=args.reps)
+    run_dir = Path(tempfile.mkdtemp(prefix="aioelastic-bench-"))
+    started = time.monotonic()
+    become_subreaper()
+    try:
+        results = Harness(plan, run_dir, sys.stderr).run()
+    finally:
+        leaked = reap_all()
+        if leaked:
+            print(f"processes left behind by a driver, killed: {leaked}", file=sys.stderr)
+        meta["leaked_pids"] = leaked
+        if args.keep:
+            print(f"run directory kept: {run_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(run_dir, ignore_errors=True)
+    meta["duration_s"] = round(time.monotonic() - started, 1)
+    meta["loadavg_end"] = os.getloadavg()
+    rows = build_rows(selected, results)
+    print(
+        f"<!-- {meta['command']} | {meta['date']} | commit {meta['git_commit']} | "
+        f"torch {meta['torch']} | {meta['cpus']} CPUs | {meta['duration_s']} s -->"
+    )
+    print(render_table(selected, rows))
+    problems = render_problems(results)
+    if problems:
+        print("Not measured:\n" + problems)
+    if args.json:
+        _write_json(args.json, meta, results, rows)
+    if args.plot:
+        plot(results, args.plot)
+    return 1 if any(s.status == "error" for s in results) else 0
+
+
+def _write_json(
+    path: Path, meta: dict[str, Any], results: list[Series], rows: list[dict[str, Any]]
+) -> None:
+    def clean(value: Any) -> Any:
+        # JSON has no infinity: a timed-out median is written as null with its limit beside it.
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    document = {
+        "meta": meta,
+        "rows": clean(rows),
+        "series": [clean(vars(s)) for s in results],
+    }
+    path.write_text(json.dumps(document, indent=1) + "\n")

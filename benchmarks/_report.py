@@ -1,0 +1,266 @@
+"""Turns the series into the table, the JSON document and the optional plot."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks._harness import Series
+from benchmarks._spec import Measure, Metric
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Summary of one system's values of one metric at one N.
+
+    A repetition that timed out counts as +infinity: it sorts above every finished one,
+    so the median is a timeout only when at least half the repetitions timed out.
+
+    Attributes:
+        status: ``ok``, ``n/a``, ``error`` or ``skipped`` (then the numbers are None).
+        median, minimum, maximum: in the metric's base unit; ``inf`` for a timeout.
+        reps: repetitions summarised.
+        limit: the timeout limit, when any repetition timed out.
+    """
+
+    status: str
+    median: float | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    reps: int = 0
+    limit: float | None = None
+
+
+def summarise(series: Series | None, metric: Metric) -> Stats:
+    """Stats of ``metric`` over a series (``skipped`` when there is no series)."""
+    if series is None:
+        return Stats("skipped")
+    if series.status != "ok":
+        return Stats(series.status)
+    values = [s[metric.name] for s in series.samples if metric.name in s]
+    values += [math.inf] * len(series.timeouts)
+    if not values:
+        return Stats("skipped")
+    limit = max(series.timeouts) if series.timeouts else None
+    return Stats("ok", statistics.median(values), min(values), max(values), len(values), limit)
+
+
+def ratio(ours: Stats, theirs: Stats, metric: Metric) -> tuple[float | None, bool]:
+    """How many times better ours is (>1: aioelastic better), and whether it is a bound.
+
+    A torch timeout makes the ratio a lower bound (``>``); a zero makes it undefined.
+    """
+    if ours.median is None or theirs.median is None:
+        return None, False
+    a, b = ours.median, theirs.median
+    if metric.higher_is_better:
+        a, b = b, a
+    bound = False
+    if math.isinf(b) and theirs.limit is not None:
+        b, bound = theirs.limit, True
+    if math.isinf(a) or a <= 0 or b <= 0:
+        return None, False
+    return b / a, bound
+
+
+def _fmt(value: float | None, metric: Metric, limit: float | None = None) -> str:
+    if value is None:
+        return ""
+    if math.isinf(value):
+        return f"> {(limit or 0) * metric.scale:.0f}"
+    shown = value * metric.scale
+    if shown == 0:
+        return "0"
+    if abs(shown) >= 100:
+        return f"{shown:.0f}"
+    if abs(shown) >= 10:
+        return f"{shown:.1f}"
+    return f"{shown:.2f}"
+
+
+def _cell(stats: Stats, metric: Metric) -> str:
+    if stats.status != "ok":
+        return {"n/a": "n/a", "error": "error", "skipped": "-"}.get(stats.status, stats.status)
+    return _fmt(stats.median, metric, stats.limit)
+
+
+def _range(stats: Stats, metric: Metric) -> str:
+    if stats.status != "ok":
+        return ""
+    return f"{_fmt(stats.minimum, metric, stats.limit)}..{_fmt(stats.maximum, metric, stats.limit)}"
+
+
+def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str, Any]]:
+    """One dict per table line: measure, case, N, metric, both sides' stats, the ratio."""
+    index = {(s.measure, s.group, s.system, s.n): s for s in results}
+    rows: list[dict[str, Any]] = []
+    for measure in measures:
+        for group in measure.groups:
+            ns = sorted(
+                {s.n for s in results if s.measure == measure.name and s.group == group.name}
+            )
+            for metric in measure.metrics:
+                for row in group.rows:
+                    for n in ns:
+                        ours = summarise(index.get((measure.name, group.name, row.ours, n)), metric)
+                        theirs = (
+                            summarise(index.get((measure.name, group.name, row.theirs, n)), metric)
+                            if row.theirs
+                            else None
+                        )
+                        if ours.status == "skipped" and (
+                            theirs is None or theirs.status == "skipped"
+                        ):
+                            continue
+                        value, bound = ratio(ours, theirs, metric) if theirs else (None, False)
+                        rows.append(
+                            {
+                                "measure": measure.name,
+                                "letter": measure.letter,
+                                "group": group.name,
+                                "case": row.case,
+                                "n": n,
+                                "metric": metric.name,
+                                "unit": metric.unit,
+                                "scale": metric.scale,
+                                "higher_is_better": metric.higher_is_better,
+                                "ours_system": row.ours,
+                                "ours": asdict(ours),
+                                "theirs_system": row.theirs,
+                                "theirs": asdict(theirs) if theirs else None,
+                                "ratio": value if metric.ratio else None,
+                                "ratio_is_lower_bound": bound if metric.ratio else False,
+                            }
+                        )
+    return rows
+
+
+def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:
+    """The results as a Markdown table per measure."""
+    metrics = {(m.name, x.name): x for m in measures for x in m.metrics}
+    out: list[str] = []
+    for measure in measures:
+        mine = [r for r in rows if r["measure"] == measure.name]
+        if not mine:
+            continue
+        head = "" if measure.letter == measure.name else f"{measure.letter}. "
+        out.append(f"### {head}{measure.name}: {measure.title}")
+        out.append("")
+        if measure.notes:
+            out.append(measure.notes)
+            out.append("")
+        if all(r["theirs"] is None for r in mine):
+            out.extend(_floor_table(mine, metrics, measure))
+            continue
+        out.append(
+            "| case | N | metric | aioelastic | torch | torch system | ratio "
+            "| aioelastic min..max | torch min..max | reps |"
+        )
+        out.append("|---|---:|---|---:|---:|---|---:|---:|---:|---:|")
+        for r in mine:
+            metric = metrics[(measure.name, r["metric"])]
+            ours = Stats(**r["ours"])
+            theirs = Stats(**r["theirs"]) if r["theirs"] else None
+            ratio_text = ""
+            if r["ratio"] is not None:
+                ratio_text = (">" if r["ratio_is_lower_bound"] else "") + f"{r['ratio']:.1f}x"
+            reps = str(ours.reps) if theirs is None else f"{ours.reps}/{theirs.reps}"
+            out.append(
+                "| "
+                + " | ".join(
+                    [
+                        r["case"],
+                        str(r["n"]),
+                        metric.unit,
+                        _cell(ours, metric),
+                        _cell(theirs, metric) if theirs else "",
+                        r["theirs_system"] or "",
+                        ratio_text,
+                        _range(ours, metric),
+                        _range(theirs, metric) if theirs else "",
+                        reps,
+                    ]
+                )
+                + " |"
+            )
+        out.append("")
+    return "\n".join(out)
+
+
+def _floor_table(
+    rows: list[dict[str, Any]], metrics: dict[tuple[str, str], Metric], measure: Measure
+) -> list[str]:
+    out = ["| case | N | metric | median | min..max | reps |", "|---|---:|---|---:|---:|---:|"]
+    for r in rows:
+        metric = metrics[(measure.name, r["metric"])]
+        stats = Stats(**r["ours"])
+        cells = [
+            r["case"],
+            str(r["n"]),
+            metric.unit,
+            _cell(stats, metric),
+            _range(stats, metric),
+            str(stats.reps),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
+def render_problems(results: list[Series]) -> str:
+    """One line per system that was not available or broke, with the reason."""
+    seen: set[tuple[str, str, str]] = set()
+    lines = []
+    for s in results:
+        key = (s.measure, s.group, s.system)
+        if s.status in ("n/a", "error") and key not in seen:
+            seen.add(key)
+            reason = s.reason.strip().splitlines()[-1] if s.reason.strip() else ""
+            lines.append(f"- {s.measure}/{s.group} {s.system}: {s.status}: {reason}")
+    return "\n".join(lines)
+
+
+def plot(results: list[Series], path: Path) -> bool:
+    """Startup latency against N for every system; False when matplotlib is missing."""
+    try:
+        matplotlib: Any = importlib.import_module("matplotlib")
+        matplotlib.use("Agg")
+        plt: Any = importlib.import_module("matplotlib.pyplot")
+    except ImportError:
+        print(
+            "--plot needs matplotlib (pip install 'aioelastic[plot]'); no plot written",
+            file=sys.stderr,
+        )
+        return False
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for s in results:
+        if s.measure not in ("startup", "floor") or s.status != "ok" or not s.samples:
+            continue
+        if s.measure == "floor" and s.system == "floor/true":
+            continue
+        label = s.system if s.measure == "floor" else f"{s.system} ({s.group})"
+        median = statistics.median(x["seconds"] for x in s.samples)
+        curves.setdefault(label, []).append((s.n, median * 1000))
+    figure, axes = plt.subplots(figsize=(10, 6))
+    for label, points in sorted(curves.items()):
+        points.sort()
+        style = (
+            ":" if label.startswith("floor") else ("-" if label.startswith("aioelastic") else "--")
+        )
+        axes.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("N workers")
+    axes.set_ylabel("call to all workers running user code (ms, median)")
+    axes.set_title("startup latency (lower is better)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=7, loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

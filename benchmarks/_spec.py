@@ -1,0 +1,200 @@
+"""What a measure is: its metrics, its interleaved groups, the systems in each and the rows.
+
+A *group* is one interleaving unit: every system in it runs the same workload for the same
+N, one repetition each in turn (A/B/C, then B/C/A, ...), so a noisy neighbour on this
+shared machine hits all systems alike and the ratios of one run stay meaningful. Each
+system runs in its own long-lived *driver* process (see ``_driver``), so warm state that a
+real user keeps between runs (a fork server, imported modules) is kept, and one system's
+leftovers (threads, a global fork server with other preload settings) never touch another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Kind = Literal["aioelastic", "torch", "floor"]
+Scalar = str | int | float | bool
+Params = Mapping[str, Scalar]
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One number a repetition yields.
+
+    Attributes:
+        name: key in the sample dict returned by a system's implementation.
+        unit: printed after the values (``s``, ``lines/s``, ...).
+        higher_is_better: ``True`` for throughputs; decides which way the ratio goes.
+        scale: multiplier applied for display only (``1000`` with unit ``ms``).
+        ratio: whether a ratio of the two sides means anything (not for counts of
+            lost lines, where both should be zero).
+    """
+
+    name: str
+    unit: str
+    higher_is_better: bool = False
+    scale: float = 1.0
+    ratio: bool = True
+
+
+SECONDS = Metric("seconds", "ms", scale=1000.0)
+
+
+@dataclass(frozen=True)
+class System:
+    """One contender in a group.
+
+    Attributes:
+        label: unique within the group, e.g. ``aioelastic/forkserver+preload``.
+        kind: whose code it runs; ``floor`` rows have no torch counterpart.
+        impl: ``module:function`` run inside the driver for one repetition.
+        params: extra parameters for ``impl`` (merged over the group's).
+        max_n: skip N above this (documented cost limits for torch-importing workers).
+        quick: whether the system runs in ``--quick`` mode at all.
+        reps: repetitions per N in full mode for this system, overriding the group's
+            (cheap systems get more repetitions than torch-importing ones).
+    """
+
+    label: str
+    kind: Kind
+    impl: str
+    params: Params = field(default_factory=dict)
+    max_n: int | None = None
+    quick: bool = True
+    reps: Mapping[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results table: an aioelastic system against a torch (or no) system.
+
+    Attributes:
+        case: what the line compares, e.g. ``fn spawn`` or ``fn forkserver+preload vs spawn``.
+        ours: label of the aioelastic (or floor) system.
+        theirs: label of the torch system, ``None`` for floor rows.
+    """
+
+    case: str
+    ours: str
+    theirs: str | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    """Systems interleaved on one workload.
+
+    Attributes:
+        name: short id, unique within the measure.
+        systems: the contenders; each gets its own driver process.
+        rows: the table lines drawn from this group's samples.
+        ns: N values in full mode; ``quick_ns`` in ``--quick`` mode.
+        reps: repetitions per N in full mode (N -> count; N missing -> ``default_reps``).
+        quick_reps: repetitions per N in ``--quick`` mode.
+        params: parameters for every system's ``impl`` (``quick_params`` override in quick).
+        warmup: run one discarded repetition per driver first (imports, fork servers).
+        rep_timeout: harness-side limit for one repetition, a safety net only: systems
+            that can hang (torch's 30 s teardown) enforce their own shorter limit.
+    """
+
+    name: str
+    systems: tuple[System, ...]
+    rows: tuple[Row, ...]
+    ns: tuple[int, ...]
+    quick_ns: tuple[int, ...] = (1,)
+    reps: Mapping[int, int] = field(default_factory=dict)
+    default_reps: int = 5
+    quick_reps: int = 1
+    params: Params = field(default_factory=dict)
+    quick_params: Params = field(default_factory=dict)
+    warmup: bool = True
+    rep_timeout: float = 300.0
+
+    def reps_for(self, n: int, quick: bool, system: System | None = None) -> int:
+        """Repetitions for ``n`` in the given mode (for ``system`` if it overrides them)."""
+        if quick:
+            return self.quick_reps
+        if system is not None and system.reps is not None and n in system.reps:
+            return system.reps[n]
+        return self.reps.get(n, self.default_reps)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A named measure of the suite (``startup``, ``failure``, ...).
+
+    Attributes:
+        name: what ``--only`` selects.
+        letter: the item of issue #7 it answers (``a`` .. ``h``, ``floor``).
+        title: one line for the table heading.
+        metrics: the numbers each repetition yields; the first is the headline.
+        groups: the interleaved groups, run one after another.
+        notes: printed under the table heading (what exactly is timed).
+    """
+
+    name: str
+    letter: str
+    title: str
+    metrics: tuple[Metric, ...]
+    groups: tuple[Group, ...]
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class RepContext:
+    """Everything a system's implementation gets for one repetition.
+
+    Attributes:
+        n: number of workers.
+        params: group parameters merged with the system's.
+        workdir: a fresh, empty directory for this repetition's files.
+        quick: ``--quick`` mode.
+    """
+
+    n: int
+    params: Params
+    workdir: Path
+    quick: bool
+
+    def param(self, key: str) -> Scalar:
+        """A required parameter; a missing one is a bug in the measure's definition."""
+        return self.params[key]
+
+    def float_param(self, key: str) -> float:
+        """A required numeric parameter as float."""
+        value = self.params[key]
+        if isinstance(value, str):
+            raise TypeError(f"parameter {key!r} must be a number, got {value!r}")
+        return float(value)
+
+    def int_param(self, key: str) -> int:
+        """A required integer parameter."""
+        value = self.params[key]
+        if isinstance(value, (str, float)):
+            raise TypeError(f"parameter {key!r} must be an int, got {value!r}")
+        return int(value)
+
+    def str_param(self, key: str) -> str:
+        """A required string parameter."""
+        value = self.params[key]
+        if not isinstance(value, str):
+            raise TypeError(f"parameter {key!r} must be a str, got {value!r}")
+        return value
+
+
+class RepTimeout(Exception):
+    """A repetition ran over the limit its system enforces; reported as ``> limit``.
+
+    Args:
+        limit: the limit in seconds (what the table prints after ``>``).
+    """
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(f"ran over {limit:g} s")
+        self.limit = limit
+
+
+class NotAvailable(Exception):
+    """The system's code is not importable yet (reported as ``n/a``, never a crash)."""

@@ -1,0 +1,19 @@
+"""The measures of the suite, in the order they run and print (issue #7's a..h)."""
+
+from __future__ import annotations
+
+from benchmarks._spec import Measure
+from benchmarks.measures import completion, failure, floor, idle, startup, teardown, tee
+
+
+def all_measures() -> list[Measure]:
+    """Every measure, floor first."""
+    return [
+        floor.MEASURE,
+        startup.MEASURE,
+        completion.MEASURE,
+        failure.MEASURE,
+        teardown.MEASURE,
+        idle.MEASURE,
+        tee.MEASURE,
+    ]

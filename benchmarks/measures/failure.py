@@ -1,0 +1,60 @@
+"""c. Failure detection: from a worker's exit to the caller holding the failure.
+
+See :mod:`benchmarks.measures._failjob`: rank 0 exits 1 at a random moment (up to 1 s)
+after all N workers run; its siblings stop at the first SIGTERM. The time includes
+stopping those siblings, which both systems do before handing the failure over.
+"""
+
+from __future__ import annotations
+
+from benchmarks._spec import SECONDS, Group, Measure, Row, System
+
+_M = "benchmarks.measures._failjob"
+_TP = {"torch_preload": True}
+_PARAMS = {"ignore_term": False, "grace": 30.0, "limit": 60.0, "jitter": 1.0}
+
+MEASURE = Measure(
+    name="failure",
+    letter="c",
+    title="a worker's exit to the caller holding the failure",
+    metrics=(SECONDS,),
+    notes=(
+        "Rank 0 exits 1 at a random moment up to 1 s after all N run; siblings stop on SIGTERM. "
+        "torch.elastic: default `wait()` (period 1 s). torch.mp: `join()` on the process sentinels."
+    ),
+    groups=(
+        Group(
+            name="bin",
+            systems=(
+                System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
+                System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
+            ),
+            rows=(Row("bin", "aioelastic/binary", "torch.elastic/binary"),),
+            ns=(1, 4, 16),
+            quick_ns=(2,),
+            default_reps=7,
+            params=_PARAMS,
+            rep_timeout=60.0,
+            quick_params={"jitter": 0.05},
+            warmup=False,
+        ),
+        Group(
+            name="fn",
+            systems=(
+                System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
+                System("torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", _TP),
+                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", _TP),
+            ),
+            rows=(
+                Row("fn forkserver", "aioelastic/forkserver", "torch.elastic/forkserver"),
+                Row("fn forkserver", "aioelastic/forkserver", "torch.mp/forkserver"),
+            ),
+            ns=(1, 4, 16),
+            quick_ns=(2,),
+            default_reps=7,
+            params=_PARAMS,
+            rep_timeout=60.0,
+            quick_params={"jitter": 0.05},
+        ),
+    ),
+)

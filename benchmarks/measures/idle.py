@@ -1,0 +1,112 @@
+"""f. Supervisor cost while N workers sit idle: CPU time and threads of the supervisor.
+
+N ``python -S`` workers print one line, signal that they run, then sleep. From that moment
+the supervisor is in its ``wait(timeout=T)`` (what a caller does while a job runs) for T
+seconds; the measure is the supervisor process's own CPU time (all its threads, not its
+children) over those T seconds and its thread count (the larger of the counts at the
+start and the end of the window). tee: every stream of every rank tee'd to the console
+(torch: one TailLog thread per rank and stream, each polling its file every 0.1 s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import _bin
+from benchmarks._spec import Group, Measure, Metric, RepContext, Row, System
+from benchmarks._util import cpu_seconds, make_fifo, thread_count, wait_ready
+from benchmarks.measures._common import NAME, aio_core, aio_std, envs_for, log_dir, wait_ready_async
+
+CPU = Metric("cpu", "ms CPU", scale=1000.0)
+THREADS = Metric("threads", "threads")
+
+
+def _args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
+    fifo = make_fifo(ctx.workdir / "ready")
+    return {r: _bin.argv("idle", fifo) for r in range(ctx.n)}
+
+
+async def aio(ctx: RepContext) -> dict[str, float]:
+    """aioelastic: ``await pc.wait(timeout=T)`` while the workers idle."""
+    core = aio_core()
+    std = aio_std()
+    tee = std.ALL if ctx.params.get("tee") else std.NONE
+    idle = ctx.float_param("idle")
+    async with core.start_processes(
+        name=NAME,
+        entrypoint=_bin.executable(),
+        args=_args(ctx),
+        envs=envs_for(ctx.n),
+        log_dir=log_dir(ctx),
+        tee=tee,
+    ) as pc:
+        await wait_ready_async(str(ctx.workdir / "ready"), ctx.n)
+        threads = thread_count()
+        cpu = cpu_seconds()
+        result = await pc.wait(timeout=idle)
+        cpu = cpu_seconds() - cpu
+        threads = max(threads, thread_count())
+        if result is not None:
+            raise RuntimeError(f"aioelastic: the idle workers ended early: {result!r}")
+    return {"cpu": cpu, "threads": threads}
+
+
+def torch_elastic(ctx: RepContext) -> dict[str, float]:
+    """torch.distributed.elastic: ``pc.wait(timeout=T)`` (period 1 s) while the workers idle."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
+
+    tee = Std.ALL if ctx.params.get("tee") else Std.NONE
+    idle = ctx.float_param("idle")
+    pc = start_processes(
+        name=NAME,
+        entrypoint=_bin.executable(),
+        args=_args(ctx),
+        envs=envs_for(ctx.n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx), tee=tee),
+    )
+    try:
+        wait_ready(ctx.workdir / "ready", ctx.n)
+        threads = thread_count()
+        cpu = cpu_seconds()
+        result = pc.wait(timeout=idle)
+        cpu = cpu_seconds() - cpu
+        threads = max(threads, thread_count())
+    finally:
+        pc.close()
+    if result is not None:
+        raise RuntimeError(f"torch.elastic: the idle workers ended early: {result!r}")
+    return {"cpu": cpu, "threads": threads}
+
+
+_M = "benchmarks.measures.idle"
+
+
+def _group(name: str, tee: bool, reps: int) -> Group:
+    return Group(
+        name=name,
+        systems=(
+            System("aioelastic/binary", "aioelastic", f"{_M}:aio"),
+            System("torch.elastic/binary", "torch", f"{_M}:torch_elastic"),
+        ),
+        rows=(Row(name, "aioelastic/binary", "torch.elastic/binary"),),
+        ns=(16,),
+        quick_ns=(4,),
+        default_reps=reps,
+        params={"tee": tee, "idle": 20.0},
+        quick_params={"idle": 1.0},
+        warmup=False,
+        rep_timeout=120.0,
+    )
+
+
+MEASURE = Measure(
+    name="idle",
+    letter="f",
+    title="supervisor cost while N workers idle for 20 s",
+    metrics=(CPU, THREADS),
+    notes=(
+        "The supervisor's own CPU time (all threads, not children) and thread count during "
+        "`wait(timeout=20)` while N python -S workers sleep. tee: all streams of all ranks tee'd."
+    ),
+    groups=(_group("tee", True, 3), _group("no tee", False, 2)),
+)

@@ -1,0 +1,243 @@
+"""a. Startup: from the call that starts N workers to the last of them running user code.
+
+Function workers live in a module that imports torch (:mod:`benchmarks._fn_torch`), as a
+training script's do; each stamps the clock as its first line. Binary workers are
+``python -S -c`` stamping the clock (:mod:`benchmarks._bin`). The clock starts right before
+the start call, after every import the supervisor itself needs.
+
+The fork-server variants run after a warm-up repetition, so their server is already up
+(and, with the preload, has torch imported): that is the steady state of a long-lived
+supervisor and of every restart; the warm-up's cold number is kept in the JSON.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from benchmarks import _bin
+from benchmarks._spec import SECONDS, Group, Measure, Params, RepContext, Row, System
+from benchmarks._util import now_ns, read_stamps, seconds
+from benchmarks.measures._common import (
+    NAME,
+    aio_core,
+    check_success,
+    envs_for,
+    log_dir,
+    set_stdlib_forkserver_preload,
+    torch_mp,
+)
+
+PRELOAD = ("torch",)
+
+
+def _elapsed(ctx: RepContext, start: int) -> dict[str, float]:
+    return {"seconds": seconds(max(read_stamps(ctx.workdir, "start", ctx.n)) - start)}
+
+
+def _fn_args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
+    return {r: (r, str(ctx.workdir)) for r in range(ctx.n)}
+
+
+async def aio_fn(ctx: RepContext) -> dict[str, float]:
+    """aioelastic start_processes with a torch-importing function."""
+    core = aio_core()
+    from benchmarks import _fn_torch
+
+    preload = PRELOAD if ctx.params.get("preload") else ()
+    start = now_ns()
+    async with core.start_processes(
+        name=NAME,
+        entrypoint=_fn_torch.stamp,
+        args=_fn_args(ctx),
+        envs=envs_for(ctx.n),
+        log_dir=log_dir(ctx),
+        start_method=ctx.str_param("start_method"),
+        forkserver_preload=preload,
+    ) as pc:
+        result = await pc.wait()
+    check_success(result, "aioelastic")
+    return _elapsed(ctx, start)
+
+
+def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
+    """torch.distributed.elastic start_processes with a torch-importing function."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    from benchmarks import _fn_torch
+
+    if ctx.params.get("preload"):
+        set_stdlib_forkserver_preload(list(PRELOAD))
+    start = now_ns()
+    pc = start_processes(
+        name=NAME,
+        entrypoint=_fn_torch.stamp,
+        args=_fn_args(ctx),
+        envs=envs_for(ctx.n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
+        start_method=ctx.str_param("start_method"),
+    )
+    try:
+        # Not timed: a short period only makes the repetitions go faster.
+        result = pc.wait(period=0.02)
+    finally:
+        pc.close()
+    check_success(result, "torch.elastic")
+    return _elapsed(ctx, start)
+
+
+def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
+    """torch.multiprocessing.start_processes with a torch-importing function."""
+    mp = torch_mp()
+    from benchmarks import _fn_torch
+
+    if ctx.params.get("preload"):
+        set_stdlib_forkserver_preload(list(PRELOAD))
+    start = now_ns()
+    mp.start_processes(
+        _fn_torch.stamp,
+        args=(str(ctx.workdir),),
+        nprocs=ctx.n,
+        join=True,
+        start_method=ctx.str_param("start_method"),
+    )
+    return _elapsed(ctx, start)
+
+
+def _bin_args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
+    return {r: _bin.argv("stamp", ctx.workdir / f"start{r}") for r in range(ctx.n)}
+
+
+async def aio_bin(ctx: RepContext) -> dict[str, float]:
+    """aioelastic start_processes with ``python -S`` binaries."""
+    core = aio_core()
+    start = now_ns()
+    async with core.start_processes(
+        name=NAME,
+        entrypoint=_bin.executable(),
+        args=_bin_args(ctx),
+        envs=envs_for(ctx.n),
+        log_dir=log_dir(ctx),
+    ) as pc:
+        result = await pc.wait()
+    check_success(result, "aioelastic")
+    return _elapsed(ctx, start)
+
+
+def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
+    """torch.distributed.elastic start_processes with ``python -S`` binaries."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    start = now_ns()
+    pc = start_processes(
+        name=NAME,
+        entrypoint=_bin.executable(),
+        args=_bin_args(ctx),
+        envs=envs_for(ctx.n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
+    )
+    try:
+        result = pc.wait(period=0.02)
+    finally:
+        pc.close()
+    check_success(result, "torch.elastic")
+    return _elapsed(ctx, start)
+
+
+_M = "benchmarks.measures.startup"
+_AIO, _EL, _MP = "aioelastic", "torch.elastic", "torch.mp"
+_SPAWN: Params = {"start_method": "spawn"}
+_FS: Params = {"start_method": "forkserver"}
+_FSP: Params = {"start_method": "forkserver", "preload": True}
+
+# Costs on 2 cores: every spawned (or un-preloaded fork-server) worker imports torch,
+# about 1 s of wall time per worker once the cores are busy, so 32 such workers take
+# ~35 s per repetition. Hence: the un-preloaded fork server (which costs what spawn
+# costs) only up to N=4, torch.multiprocessing spawn up to 16, and few repetitions at
+# N >= 16 (see REPS); the preloaded fork servers are cheap and run at every N.
+_REPS = {1: 3, 2: 3, 4: 3, 8: 3, 16: 2, 32: 1}
+_CHEAP = {n: 5 for n in (1, 2, 4, 8, 16, 32)}
+
+MEASURE = Measure(
+    name="startup",
+    letter="a",
+    title="call to all N workers running user code",
+    metrics=(SECONDS,),
+    notes=(
+        "fn: function workers whose module imports torch. forkserver+preload: aioelastic's "
+        "`forkserver_preload=('torch',)`; torch's side uses the stdlib "
+        "`multiprocessing.set_forkserver_preload(['torch'])` (torch has no parameter for it). "
+        "Fork servers are warm (one warm-up repetition first). bin: `python -S -c` binaries."
+    ),
+    groups=(
+        Group(
+            name="fn",
+            systems=(
+                System(f"{_AIO}/spawn", "aioelastic", f"{_M}:aio_fn", _SPAWN),
+                System(f"{_EL}/spawn", "torch", f"{_M}:torch_elastic_fn", _SPAWN),
+                System(f"{_MP}/spawn", "torch", f"{_M}:torch_mp_fn", _SPAWN, max_n=16),
+                System(
+                    f"{_AIO}/forkserver", "aioelastic", f"{_M}:aio_fn", _FS, max_n=4, quick=False
+                ),
+                System(
+                    f"{_EL}/forkserver",
+                    "torch",
+                    f"{_M}:torch_elastic_fn",
+                    _FS,
+                    max_n=4,
+                    quick=False,
+                ),
+                System(
+                    f"{_MP}/forkserver", "torch", f"{_M}:torch_mp_fn", _FS, max_n=4, quick=False
+                ),
+                System(
+                    f"{_AIO}/forkserver+preload", "aioelastic", f"{_M}:aio_fn", _FSP, reps=_CHEAP
+                ),
+                System(
+                    f"{_EL}/forkserver+preload",
+                    "torch",
+                    f"{_M}:torch_elastic_fn",
+                    _FSP,
+                    reps=_CHEAP,
+                ),
+                System(
+                    f"{_MP}/forkserver+preload", "torch", f"{_M}:torch_mp_fn", _FSP, reps=_CHEAP
+                ),
+            ),
+            rows=(
+                Row("fn spawn", f"{_AIO}/spawn", f"{_EL}/spawn"),
+                Row("fn spawn", f"{_AIO}/spawn", f"{_MP}/spawn"),
+                Row("fn forkserver", f"{_AIO}/forkserver", f"{_EL}/forkserver"),
+                Row("fn forkserver", f"{_AIO}/forkserver", f"{_MP}/forkserver"),
+                Row(
+                    "fn forkserver+preload",
+                    f"{_AIO}/forkserver+preload",
+                    f"{_EL}/forkserver+preload",
+                ),
+                Row(
+                    "fn forkserver+preload",
+                    f"{_AIO}/forkserver+preload",
+                    f"{_MP}/forkserver+preload",
+                ),
+                Row(
+                    "fn ours forkserver+preload vs torch spawn",
+                    f"{_AIO}/forkserver+preload",
+                    f"{_EL}/spawn",
+                ),
+            ),
+            ns=(1, 2, 4, 8, 16, 32),
+            quick_ns=(1,),
+            reps=_REPS,
+        ),
+        Group(
+            name="bin",
+            systems=(
+                System(f"{_AIO}/binary", "aioelastic", f"{_M}:aio_bin"),
+                System(f"{_EL}/binary", "torch", f"{_M}:torch_elastic_bin"),
+            ),
+            rows=(Row("bin python -S", f"{_AIO}/binary", f"{_EL}/binary"),),
+            ns=(1, 2, 4, 8, 16, 32),
+            quick_ns=(1, 2),
+            default_reps=5,
+        ),
+    ),
+)

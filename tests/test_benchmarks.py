@@ -1,0 +1,176 @@
+"""The benchmark suite works: it runs, prints its table and writes well-formed JSON.
+
+These tests never judge a speed: the numbers of a run on a shared CI machine mean little.
+They check the machinery (drivers, interleaving, the table, the JSON) and the pieces of
+logic that decide what the table says (ratios, timeouts, broken-line counting).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks._harness import Series
+from benchmarks._report import build_rows, render_table, summarise
+from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.measures._common import Capture, count_lines
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.timeout(90)
+def test_quick_floor_prints_table_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "floor", "--ns", "1,2", "--json", str(out), timeout=80)
+    assert proc.returncode == 0, proc.stderr
+    assert "### floor: physical floor" in proc.stdout
+    assert "| fork+exec /bin/true, to exit | 2 | ms |" in proc.stdout
+
+    document = json.loads(out.read_text())
+    assert document["meta"]["quick"] is True
+    assert document["meta"]["command"].startswith("python -m benchmarks --quick")
+    assert document["meta"]["leaked_pids"] == []
+    rows = document["rows"]
+    assert {(r["case"], r["n"]) for r in rows} == {
+        (case, n)
+        for case in (
+            "fork+exec /bin/true, to exit",
+            "fork+exec python -S -c pass, to exit",
+            "fork of a torch-loaded process, to user code",
+        )
+        for n in (1, 2)
+    }
+    for row in rows:
+        assert row["theirs"] is None
+        ours = row["ours"]
+        assert ours["status"] == "ok"
+        assert ours["reps"] == 2
+        assert 0 < ours["minimum"] <= ours["median"] <= ours["maximum"] < 10
+    series = document["series"]
+    assert len(series) == 6
+    assert all(len(s["samples"]) == 2 for s in series)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_quick_completion_runs_both_sides_interleaved(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "b", "--ns", "1", "--json", str(out), timeout=110)
+    assert proc.returncode == 0, proc.stderr
+    # Progress lines show the interleaving: each system's repetition in turn.
+    progress = [
+        line.split(" N=1 ")[1].split(":")[0] for line in proc.stderr.splitlines() if " N=1 " in line
+    ]
+    assert progress[:2] == ["aioelastic/binary", "torch.elastic/binary"]
+    document = json.loads(out.read_text())
+    rows = {(r["case"], r["theirs_system"]): r for r in document["rows"]}
+    assert set(rows) == {
+        ("bin /bin/true", "torch.elastic/binary"),
+        ("fn no-op forkserver", "torch.elastic/forkserver"),
+        ("fn no-op forkserver", "torch.mp/forkserver"),
+    }
+    for row in rows.values():
+        assert row["theirs"]["status"] == "ok"
+        assert row["ours"]["status"] in ("ok", "n/a")
+        if row["ours"]["status"] == "ok":
+            assert row["ratio"] == pytest.approx(row["theirs"]["median"] / row["ours"]["median"])
+
+
+def test_unknown_measure_is_refused() -> None:
+    proc = _run("--only", "nonsense", timeout=30)
+    assert proc.returncode != 0
+    assert "unknown measure(s) nonsense" in proc.stderr
+
+
+def _series(system: str, values: list[float], timeouts: list[float] | None = None) -> Series:
+    return Series(
+        "m",
+        "g",
+        system,
+        "torch",
+        4,
+        samples=[{"seconds": v} for v in values],
+        timeouts=timeouts or [],
+    )
+
+
+def test_timeouts_count_as_infinite_and_make_the_ratio_a_bound() -> None:
+    measure = Measure(
+        name="m",
+        letter="x",
+        title="t",
+        metrics=(SECONDS,),
+        groups=(
+            Group(
+                name="g",
+                systems=(System("ours", "aioelastic", "x:y"), System("theirs", "torch", "x:y")),
+                rows=(Row("case", "ours", "theirs"),),
+                ns=(4,),
+            ),
+        ),
+    )
+    results = [_series("ours", [0.5, 0.6, 0.7]), _series("theirs", [0.9], timeouts=[5.0, 5.0])]
+    stats = summarise(results[1], SECONDS)
+    assert math.isinf(stats.median or 0.0)
+    assert stats.limit == 5.0
+    (row,) = build_rows([measure], results)
+    assert row["ratio_is_lower_bound"] is True
+    assert row["ratio"] == pytest.approx(5.0 / 0.6)
+    table = render_table([measure], [row])
+    assert "| case | 4 | ms | 600 | > 5000 | theirs | >8.3x |" in table
+
+
+def test_higher_is_better_inverts_the_ratio() -> None:
+    rate = Metric("seconds", "lines/s", higher_is_better=True)
+    ours, theirs = _series("a", [300.0]), _series("b", [100.0])
+    from benchmarks._report import ratio
+
+    value, bound = ratio(summarise(ours, rate), summarise(theirs, rate), rate)
+    assert value == pytest.approx(3.0)
+    assert bound is False
+
+
+def _capture(text: bytes) -> Capture:
+    capture = Capture()
+    capture.data += text
+    capture.chunks.append((1, len(text)))
+    return capture
+
+
+def test_count_lines_finds_lost_split_merged_and_duplicated_lines() -> None:
+    pad = "x" * 4
+    good = "".join(f"[bench{r}]:{r} {i} {pad}\n" for r in range(2) for i in range(3))
+    assert count_lines(_capture(good.encode()), n=2, lines=3, width=4).__dict__ == {
+        "good": 6,
+        "lost": 0,
+        "broken": 0,
+    }
+    damaged = (
+        f"[bench0]:0 0 {pad}\n"
+        f"[bench0]:0 1 xx\n"  # split: first half ...
+        f"[bench0]:xx\n"  # ... and second half
+        f"[bench1]:1 0 {pad}[bench1]:1 1 {pad}\n"  # merged
+        f"[bench1]:0 2 {pad}\n"  # rank 0's line under rank 1's prefix
+        f"[bench0]:0 0 {pad}\n"  # duplicate
+        f"[bench1]:1 2 {pad}"  # no final newline
+    )
+    counted = count_lines(_capture(damaged.encode()), n=2, lines=3, width=4)
+    assert counted.good == 1
+    assert counted.lost == 5
+    assert counted.broken == 6
