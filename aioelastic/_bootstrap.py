@@ -45,8 +45,13 @@ def run_call(call: FunctionCall, result_fd: int) -> int:
     try:
         value = call.fn(*call.args)
     except SystemExit as exc:
-        os.close(result_fd)
-        return _exit_code_of(exc)
+        code = _exit_code_of(exc)
+        if code == 0:
+            # sys.exit(0) is a success: the worker's return value is None.
+            send_result(result_fd, pickle.dumps(None))
+        else:
+            os.close(result_fd)
+        return code
     except BaseException as exc:
         os.close(result_fd)
         # Printed as well as recorded: the traceback then also reaches stderr logs.
@@ -90,11 +95,13 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
     _platform.die_with_parent(parent_pid)
     with open(payload_fd, "rb") as f:
         data = f.read()
-    unpickler = pickle.Unpickler(io.BytesIO(data))
+    stream = io.BytesIO(data)
+    # Two pickles, each read by a fresh unpickler: one Unpickler's memo would carry over
+    # into the second message and resolve its references to the first one's objects.
     # The preparation data re-imports the parent's __main__ as __mp_main__ first, so
     # that the call's functions defined in the user's script can be unpickled.
-    multiprocessing.spawn.prepare(unpickler.load())
-    call: FunctionCall = unpickler.load()
+    multiprocessing.spawn.prepare(pickle.load(stream))
+    call: FunctionCall = pickle.load(stream)
     os.environ.clear()
     os.environ.update(call.env)
     # Line-buffered like a terminal, so tee'd and logged lines appear as they are printed.

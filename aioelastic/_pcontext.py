@@ -19,6 +19,7 @@ import string
 import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -44,6 +45,16 @@ logger = logging.getLogger("aioelastic")
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
 IO_DRAIN_TIMEOUT = 2.0
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """What one rank needs to start: its environment, error file and call."""
+
+    env: dict[str, str]
+    error_file: str
+    #: ``None`` for a binary, the call itself for fork, else its pickled form.
+    payload: FunctionCall | bytes | None
 
 
 class PContext:
@@ -90,11 +101,11 @@ class PContext:
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
-        calls = self._prepare()
+        prepared = self._prepare()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
-            await self._start_all(calls)
+            await self._start_all(prepared)
         except BaseException as exc:
             await self.close()
             await self._tg.__aexit__(None, None, None)
@@ -102,35 +113,42 @@ class PContext:
         self._started = True
         return self
 
-    def _prepare(self) -> dict[int, bytes | FunctionCall | None]:
-        """Log directories and pickled calls: everything that can fail before a start."""
+    def _prepare(self) -> dict[int, _Prepared]:
+        """Log directories, environments and pickled calls: all that can fail, before a start."""
         spec = self._spec
-        calls: dict[int, bytes | FunctionCall | None] = {}
-        if not spec.is_binary:
-            prep = pickle.dumps(_launchers.preparation_data(f"{spec.name}-worker"))
-            for rank in range(spec.nprocs):
-                call = FunctionCall(
-                    fn=spec.entrypoint,  # type: ignore[arg-type]
-                    args=spec.args[rank],
-                    env={},
-                    error_file="",
-                )
-                if spec.start_method == "fork":
-                    calls[rank] = call
-                elif spec.start_method == "spawn":
-                    calls[rank] = prep + self._pickle_check(call)
-                else:
-                    calls[rank] = self._pickle_check(call)
         if spec.log_dir is None:
-            self._log_root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_"))
-            self._temporary_log_root = True
-            if any(spec.redirects.values()):
-                logger.info("aioelastic: logs of %r are in %s", spec.name, self._log_root)
+            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_"))
         else:
-            self._log_root = spec.log_dir
+            root = spec.log_dir
+        try:
+            prepared = {rank: self._prepare_rank(rank, root) for rank in range(spec.nprocs)}
+        except BaseException:
+            if spec.log_dir is None:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+        self._log_root = root
+        self._temporary_log_root = spec.log_dir is None
         for rank in range(spec.nprocs):
-            (self._log_root / str(rank)).mkdir(parents=True, exist_ok=True)
-        return calls
+            (root / str(rank)).mkdir(parents=True, exist_ok=True)
+        if self._temporary_log_root and any(spec.redirects.values()):
+            logger.info("aioelastic: logs of %r are in %s", spec.name, root)
+        return prepared
+
+    def _prepare_rank(self, rank: int, root: Path) -> _Prepared:
+        spec = self._spec
+        error_file = str(root / str(rank) / "error.json")
+        env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
+        if spec.is_binary:
+            return _Prepared(env, error_file, None)
+        assert callable(spec.entrypoint)
+        call = FunctionCall(spec.entrypoint, spec.args[rank], env, error_file)
+        if spec.start_method == "fork":
+            return _Prepared(env, error_file, call)  # inherited by fork, never pickled
+        payload = self._pickle_check(call)
+        if spec.start_method == "spawn":
+            prep = _launchers.preparation_data(f"{spec.name}-{rank}")
+            payload = pickle.dumps(prep) + payload
+        return _Prepared(env, error_file, payload)
 
     def _pickle_check(self, call: FunctionCall) -> bytes:
         try:
@@ -142,12 +160,12 @@ class PContext:
                 "module level and pass picklable args, or use start_method='fork'"
             ) from exc
 
-    async def _start_all(self, calls: Mapping[int, bytes | FunctionCall | None]) -> None:
+    async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
         errors: list[BaseException] = []
 
         async def start(rank: int) -> None:
             try:
-                await self._start_worker(rank, calls.get(rank))
+                await self._start_worker(rank, prepared[rank])
             except Exception as exc:
                 errors.append(exc)
 
@@ -157,13 +175,11 @@ class PContext:
         if errors:
             raise errors[0]
 
-    async def _start_worker(self, rank: int, call: bytes | FunctionCall | None) -> None:
+    async def _start_worker(self, rank: int, prepared: _Prepared) -> None:
         spec = self._spec
         assert self._log_root is not None
         assert self._tg is not None
         rank_dir = self._log_root / str(rank)
-        error_file = str(rank_dir / "error.json")
-        env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
         stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
         stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
         out_r, out_w = os.pipe2(os.O_CLOEXEC)
@@ -176,9 +192,7 @@ class PContext:
             stderr_pump = StreamPump(err_r, **stderr)
             stdout_pump.open_log()
             stderr_pump.open_log()
-            launched = await self._launch(
-                rank, call, env, error_file, out_w, err_w, res_w, parent_ends
-            )
+            launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
         except BaseException:
             for fd in parent_ends:
                 os.close(fd)
@@ -189,7 +203,7 @@ class PContext:
         worker = WorkerProcess(
             local_rank=rank,
             launched=launched,
-            error_file=error_file,
+            error_file=prepared.error_file,
             stdout_path=str(rank_dir / "stdout.log") if Std.OUT in spec.redirects[rank] else "",
             stderr_path=str(rank_dir / "stderr.log") if Std.ERR in spec.redirects[rank] else "",
             stdout=stdout_pump,
@@ -203,42 +217,35 @@ class PContext:
         if worker.result is not None:
             self._run_io(worker.result.run)
         if launched.payload_fd is not None:
-            payload = call if isinstance(call, bytes) else b""
-            self._run_io(_feed_payload, launched.payload_fd, payload)
+            assert isinstance(prepared.payload, bytes)
+            self._run_io(_feed_payload, launched.payload_fd, prepared.payload)
 
     async def _launch(
         self,
         rank: int,
-        call: bytes | FunctionCall | None,
-        env: dict[str, str],
-        error_file: str,
+        prepared: _Prepared,
         out_w: int,
         err_w: int,
         res_w: int,
         parent_ends: list[int],
     ) -> _launchers.Launched:
         spec = self._spec
+        payload, env = prepared.payload, prepared.env
         if spec.is_binary:
             argv = [str(spec.entrypoint), *spec.args[rank]]
             return await _launchers.on_launcher_thread(
                 _launchers.start_binary, argv, env, out_w, err_w
             )
-        if spec.start_method == "fork":
-            assert isinstance(call, FunctionCall)
-            forked = FunctionCall(call.fn, call.args, env, error_file)
+        if isinstance(payload, FunctionCall):
             return await _launchers.on_launcher_thread(
-                _launchers.start_fork, forked, out_w, err_w, res_w, parent_ends
+                _launchers.start_fork, payload, out_w, err_w, res_w, parent_ends
             )
-        assert isinstance(call, bytes)
-        launched: _launchers.Launched
         if spec.start_method == "spawn":
-            launched = await _launchers.on_launcher_thread(
+            return await _launchers.on_launcher_thread(
                 _launchers.start_spawn, env, out_w, err_w, res_w
             )
-        else:
-            server = fork_server(spec.forkserver_preload)
-            launched = await _launchers.on_launcher_thread(server.start_worker, out_w, err_w, res_w)
-        return launched
+        server = fork_server(spec.forkserver_preload)
+        return await _launchers.on_launcher_thread(server.start_worker, out_w, err_w, res_w)
 
     def _pump(self, rank: int, stream: Std, log_path: Path) -> dict[str, Any]:
         spec = self._spec

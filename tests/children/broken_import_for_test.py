@@ -1,0 +1,3 @@
+"""A module that fails to import: used to test fork-server preload errors."""
+
+raise ImportError("this module fails to import on purpose")

@@ -1,0 +1,120 @@
+"""Worker programs for the core tests (function workers and ``python -m`` binaries)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import Any
+
+
+def add(a: int, b: int) -> int:
+    return a + b
+
+
+def env_value(key: str) -> str | None:
+    return os.environ.get(key)
+
+
+def identity(value: Any) -> Any:
+    return value
+
+
+def raise_value_error(message: str) -> None:
+    raise ValueError(message)
+
+
+def exit_with(code: int) -> None:
+    sys.exit(code)
+
+
+def hard_exit(code: int) -> None:
+    os._exit(code)
+
+
+def kill_self(sig: int) -> None:
+    os.kill(os.getpid(), sig)
+
+
+def big_value(size: int) -> bytes:
+    return b"x" * size
+
+
+def unpicklable() -> Any:
+    return threading.Lock()
+
+
+def _say(fifo: str, text: str) -> None:
+    with open(fifo, "w") as f:
+        f.write(text + "\n")
+
+
+def block_forever(fifo: str, ignore_sigterm: bool = False) -> None:
+    """Report ready, then block until signalled (optionally ignoring SIGTERM)."""
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _say(fifo, f"ready {os.getpid()}")
+    threading.Event().wait()
+
+
+def fail_after_ready(fifo: str, go_fifo: str) -> None:
+    """Report ready, wait for the test's go (a FIFO it writes), then fail."""
+    _say(fifo, f"ready {os.getpid()}")
+    with open(go_fifo) as f:
+        f.readline()
+    raise RuntimeError("failed on purpose")
+
+
+def grandchild_then(fifo: str, code: int, ignore_sigterm: bool = False) -> None:
+    """Start a grandchild in our process group, report its pid, then exit ``code``.
+
+    With ``code`` < 0, block instead of exiting.
+    """
+    preexec = None
+    if ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen(["sleep", "1000"], preexec_fn=preexec)
+    _say(fifo, f"grandchild {child.pid}")
+    if code == 0:
+        return
+    if code > 0:
+        os._exit(code)
+    threading.Event().wait()
+
+
+def print_and_raise(message: str) -> None:
+    print("some output before failing", flush=True)
+    raise KeyError(message)
+
+
+def main() -> None:
+    """``python -m tests.children.core COMMAND ARGS...`` for binary workers."""
+    command, *args = sys.argv[1:]
+    if command == "exit":
+        sys.exit(int(args[0]))
+    if command == "block":
+        block_forever(args[0], ignore_sigterm=len(args) > 1 and args[1] == "ignore")
+    if command == "grandchild":
+        grandchild_then(args[0], int(args[1]))
+    if command == "echo-env":
+        print(os.environ.get(args[0], "<unset>"))
+        return
+    raise SystemExit(f"unknown command {command!r}")
+
+
+if __name__ == "__main__":
+    main()
+
+
+def behave(kind: str, *args: Any) -> Any:
+    """One entrypoint, a behaviour per rank: ``args={0: ("raise", "x"), 1: ("block", fifo)}``."""
+    actions = {
+        "add": add,
+        "raise": raise_value_error,
+        "block": block_forever,
+        "fail_after_ready": fail_after_ready,
+        "exit": exit_with,
+    }
+    return actions[kind](*args)

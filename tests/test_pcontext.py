@@ -1,0 +1,384 @@
+"""start_processes / PContext / run_processes with real processes and real signals."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aioelastic
+from aioelastic import _platform
+from aioelastic._forkserver import fork_server
+from tests.children import core
+from tests.waits import ReadyFifo, is_running
+
+pytestmark = pytest.mark.asyncio
+
+METHODS = ["spawn", "fork", "forkserver"]
+
+
+@pytest.fixture(params=["pidfd", "waitid-thread"])
+def exit_watch_mode(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[str]:
+    """Run a test with pidfds and again with the fallback (a waitid thread)."""
+    if request.param == "waitid-thread":
+        monkeypatch.setenv(_platform.NO_PIDFD_ENV, "1")
+    _platform.pidfd_supported.cache_clear()
+    yield request.param
+    monkeypatch.delenv(_platform.NO_PIDFD_ENV, raising=False)
+    _platform.pidfd_supported.cache_clear()
+
+
+def envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
+    return {rank: dict(extra) for rank in range(n)}
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_function_workers_return_values(method: str) -> None:
+    result = await aioelastic.run_processes(
+        "adder", core.add, {0: (1, 2), 1: (3, 4)}, envs(2), start_method=method
+    )
+    assert not result.is_failed()
+    assert result.return_values == {0: 3, 1: 7}
+    assert result.stdouts == {0: "", 1: ""}
+
+
+async def test_binary_workers_succeed() -> None:
+    result = await aioelastic.run_processes(
+        "true", "true", {0: (), 1: (), 2: ()}, envs(3), grace_period=1
+    )
+    assert not result.is_failed()
+    assert result.return_values == {0: None, 1: None, 2: None}
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_env_applied_in_worker_and_parent_untouched(method: str) -> None:
+    before = dict(os.environ)
+    result = await aioelastic.run_processes(
+        "env",
+        core.env_value,
+        {0: ("AIOELASTIC_X",), 1: ("TORCHELASTIC_ERROR_FILE",)},
+        {0: {"AIOELASTIC_X": 42}, 1: {}},  # type: ignore[dict-item]
+        start_method=method,
+    )
+    assert result.return_values[0] == "42"
+    assert str(result.return_values[1]).endswith("/1/error.json")
+    assert dict(os.environ) == before
+
+
+async def test_each_worker_leads_its_own_process_group(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "groups", core.block_forever, {0: (str(fifo.path),), 1: (str(fifo.path),)}, envs(2)
+        ) as ctx:
+            await fifo.lines(2)
+            for pid in ctx.pids().values():
+                assert os.getpgid(pid) == pid
+    finally:
+        fifo.close()
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_failure_stops_siblings_and_reports_only_the_failed_rank(
+    method: str, tmp_path: Path, exit_watch_mode: str
+) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "fail",
+            core.behave,
+            {0: ("raise", "boom"), 1: ("block", str(fifo.path))},
+            envs(2),
+            start_method=method,
+        ) as ctx:
+            result = await ctx.wait()
+            sibling = ctx.pids()[1]
+    finally:
+        fifo.close()
+    assert result is not None
+    assert list(result.failures) == [0]
+    failure = result.failures[0]
+    assert failure.exitcode == 1
+    assert "ValueError: boom" in failure.message
+    assert "py_callstack" in str(failure.error_file_data)
+    assert not is_running(sibling)
+
+
+async def test_sibling_stopped_by_supervisor_is_not_a_failure(
+    tmp_path: Path, exit_watch_mode: str
+) -> None:
+    ready = ReadyFifo(tmp_path, "ready")
+    go = tmp_path / "go.fifo"
+    os.mkfifo(go)
+    try:
+        async with aioelastic.start_processes(
+            "siblings",
+            core.behave,
+            {0: ("fail_after_ready", str(ready.path), str(go)), 1: ("block", str(ready.path))},
+            envs(2),
+            grace_period=5,
+        ) as ctx:
+            await ready.lines(2)
+            with open(go, "w") as f:
+                f.write("go\n")
+            started = time.monotonic()
+            result = await ctx.wait()
+            noticed = time.monotonic() - started
+    finally:
+        ready.close()
+    assert result is not None
+    assert list(result.failures) == [0]
+    assert "RuntimeError: failed on purpose" in result.failures[0].message
+    # Event-driven: the failure and the SIGTERM'd sibling are seen in milliseconds; torch's
+    # wait() period alone is 1 s. Generous bound for a loaded 2-core machine.
+    assert noticed < 1.0
+
+
+async def test_sigterm_ignoring_sibling_is_killed_when_grace_ends(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    grace = 1.0
+    try:
+        async with aioelastic.start_processes(
+            "stubborn",
+            core.block_forever,
+            {0: (str(ready.path), True), 1: (str(ready.path), True)},
+            envs(2),
+            grace_period=grace,
+        ) as ctx:
+            await ready.lines(2)
+            pids = list(ctx.pids().values())
+            started = time.monotonic()
+            await ctx.close()
+            took = time.monotonic() - started
+    finally:
+        ready.close()
+    assert grace * 0.9 <= took < grace + 1.0
+    assert not any(is_running(pid) for pid in pids)
+
+
+async def test_second_close_with_sigkill_skips_the_grace(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "escalate", core.block_forever, {0: (str(ready.path), True)}, envs(1), grace_period=60
+        ) as ctx:
+            await ready.lines(1)
+            started = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctx.close)
+                await anyio.sleep(0)  # let the first close send SIGTERM
+                await ctx.close(signal.SIGKILL)
+            took = time.monotonic() - started
+    finally:
+        ready.close()
+    assert took < 5
+
+
+@pytest.mark.parametrize("method", METHODS)
+async def test_signal_death_reports_negative_code_and_name(method: str) -> None:
+    result = await aioelastic.run_processes(
+        "killed", core.kill_self, {0: (signal.SIGKILL,)}, envs(1), start_method=method
+    )
+    failure = result.failures[0]
+    assert failure.exitcode == -signal.SIGKILL
+    assert failure.signal_name() == "SIGKILL"
+
+
+async def test_exit_code_of_binary_is_reported() -> None:
+    result = await aioelastic.run_processes(
+        "exit3", sys.executable, {0: ("-m", "tests.children.core", "exit", "3")}, envs(1)
+    )
+    assert result.failures[0].exitcode == 3
+
+
+@pytest.mark.parametrize("worker_exits", [False, True], ids=["running", "already-exited"])
+async def test_children_of_workers_are_gone_after_close(
+    tmp_path: Path, worker_exits: bool, exit_watch_mode: str
+) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "parents",
+            core.grandchild_then,
+            {0: (str(fifo.path), 0 if worker_exits else -1)},
+            envs(1),
+            grace_period=2,
+        ) as ctx:
+            (line,) = await fifo.lines(1)
+            grandchild = int(line.split()[1])
+            assert is_running(grandchild)
+            if worker_exits:
+                result = await ctx.wait()
+                assert result is not None
+                assert not result.is_failed()
+                assert is_running(grandchild), "the worker's exit alone must not kill it"
+    finally:
+        fifo.close()
+    assert not is_running(grandchild)
+
+
+async def test_worker_exit_seen_while_a_forked_grandchild_holds_its_pipes(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "holder", core.grandchild_then, {0: (str(fifo.path), 0)}, envs(1), start_method="fork"
+        ) as ctx:
+            await fifo.lines(1)
+            with anyio.fail_after(5):
+                result = await ctx.wait()
+            assert result is not None
+            assert result.return_values == {0: None}
+    finally:
+        fifo.close()
+
+
+async def test_wait_timeout_returns_none_and_leaves_workers_running(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "slow", core.block_forever, {0: (str(fifo.path),)}, envs(1)
+        ) as ctx:
+            await fifo.lines(1)
+            assert await ctx.wait(timeout=0) is None
+            assert await ctx.wait(timeout=0.05) is None
+            assert is_running(ctx.pids()[0])
+    finally:
+        fifo.close()
+
+
+async def test_cancelling_the_wait_does_not_stop_workers(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "cancelwait", core.block_forever, {0: (str(fifo.path),)}, envs(1)
+        ) as ctx:
+            await fifo.lines(1)
+            with anyio.move_on_after(0.05):
+                await ctx.wait()
+            assert is_running(ctx.pids()[0])
+    finally:
+        fifo.close()
+
+
+async def test_cancelling_the_holder_stops_every_worker(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    pids: list[int] = []
+
+    async def hold() -> None:
+        async with aioelastic.start_processes(
+            "held",
+            core.grandchild_then,
+            {0: (str(fifo.path), -1), 1: (str(fifo.path), -1)},
+            envs(2),
+            grace_period=2,
+        ) as ctx:
+            pids.extend(ctx.pids().values())
+            for line in await fifo.lines(2):
+                pids.append(int(line.split()[1]))
+            await ctx.wait()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold)
+            with anyio.fail_after(30):
+                while len(pids) < 4:
+                    await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    finally:
+        fifo.close()
+    assert len(pids) == 4
+    assert not any(is_running(pid) for pid in pids)
+
+
+async def test_return_value_of_100_mb(tmp_path: Path) -> None:
+    size = 100 * 1024 * 1024
+    result = await aioelastic.run_processes("big", core.big_value, {0: (size,)}, envs(1))
+    assert len(result.return_values[0]) == size
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+async def test_unpicklable_return_value_fails_that_rank(method: str) -> None:
+    result = await aioelastic.run_processes(
+        "lock", core.unpicklable, {0: (), 1: ()}, envs(2), start_method=method
+    )
+    assert result.is_failed()
+    failure = next(iter(result.failures.values()))
+    assert "could not be pickled" in failure.message
+
+
+async def test_sys_exit_codes_of_function_workers() -> None:
+    ok = await aioelastic.run_processes("exit0", core.exit_with, {0: (0,)}, envs(1))
+    assert ok.return_values == {0: None}
+    bad = await aioelastic.run_processes("exit7", core.exit_with, {0: (7,)}, envs(1))
+    assert bad.failures[0].exitcode == 7
+
+
+async def test_forkserver_is_reused_across_contexts() -> None:
+    await aioelastic.run_processes(
+        "warm", core.add, {0: (1, 1)}, envs(1), start_method="forkserver"
+    )
+    server = fork_server(())
+    first = server.pid
+    await aioelastic.run_processes(
+        "warm", core.add, {0: (1, 1)}, envs(1), start_method="forkserver"
+    )
+    assert server.pid == first is not None
+
+
+async def test_forkserver_preload_is_imported_once_and_workers_see_it() -> None:
+    result = await aioelastic.run_processes(
+        "preload",
+        core.identity,
+        {0: ("ok",)},
+        envs(1),
+        start_method="forkserver",
+        forkserver_preload=("json",),
+    )
+    assert result.return_values == {0: "ok"}
+
+
+async def test_context_cannot_be_entered_twice() -> None:
+    ctx = aioelastic.start_processes("once", core.add, {0: (1, 2)}, envs(1))
+    async with ctx:
+        await ctx.wait()
+    with pytest.raises(RuntimeError, match="already started"):
+        async with ctx:
+            pass
+
+
+async def test_close_is_idempotent_and_wait_after_close_returns(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "twice", core.block_forever, {0: (str(fifo.path),)}, envs(1)
+        ) as ctx:
+            await fifo.lines(1)
+            await ctx.close()
+            await ctx.close()
+            result = await ctx.wait(timeout=0)
+            assert result is not None
+            assert not result.failures  # stopped by us, not failed
+    finally:
+        fifo.close()
+
+
+async def test_start_failure_stops_the_ones_already_started(tmp_path: Path) -> None:
+    ctx = aioelastic.start_processes(
+        "badpreload",
+        core.add,
+        {0: (1, 2)},
+        envs(1),
+        start_method="forkserver",
+        forkserver_preload=("tests.children.broken_import_for_test",),
+    )
+    with pytest.raises(RuntimeError, match="could not import"):
+        async with ctx:
+            pass
