@@ -20,6 +20,9 @@ class ReadyFifo:
         self.path = directory / f"{name}.fifo"
         os.mkfifo(self.path)
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        # Our own idle writer: without one, the FIFO reports hang-up (readable, empty)
+        # after each worker closes it, and waiting on it would spin.
+        self._keep_open = os.open(self.path, os.O_WRONLY | os.O_NONBLOCK)
         self._buffer = b""
 
     async def lines(self, count: int, timeout: float = 30.0) -> list[str]:
@@ -34,7 +37,8 @@ class ReadyFifo:
         return [line.decode() for line in taken]
 
     def close(self) -> None:
-        """Close the read end."""
+        """Close both ends."""
+        os.close(self._keep_open)
         os.close(self._fd)
 
 

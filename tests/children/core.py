@@ -98,14 +98,13 @@ def main() -> None:
         block_forever(args[0], ignore_sigterm=len(args) > 1 and args[1] == "ignore")
     if command == "grandchild":
         grandchild_then(args[0], int(args[1]))
+    if command == "supervise":
+        supervise(args[0], int(args[1]), args[2], float(args[3]))
+        return
     if command == "echo-env":
         print(os.environ.get(args[0], "<unset>"))
         return
     raise SystemExit(f"unknown command {command!r}")
-
-
-if __name__ == "__main__":
-    main()
 
 
 def behave(kind: str, *args: Any) -> Any:
@@ -118,3 +117,56 @@ def behave(kind: str, *args: Any) -> Any:
         "exit": exit_with,
     }
     return actions[kind](*args)
+
+
+def supervise(method: str, nprocs: int, fifo: str, hold_seconds: float) -> None:
+    """A supervising process for parent-death tests.
+
+    Starts ``nprocs`` blocking workers, prints ``pids <pid>...`` once they are ready,
+    then (with ``hold_seconds`` > 0) keeps them past anyio's 10 s idle-thread retirement
+    and prints ``alive`` or ``dead`` for them, or else waits to be killed.
+    """
+    import anyio
+
+    import aioelastic
+
+    async def run() -> None:
+        ready_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        _keep_open = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # no hang-up spin
+        if method == "binary":
+            entry: Any = sys.executable
+            args = {r: ("-m", "tests.children.core", "block", fifo) for r in range(nprocs)}
+        else:
+            entry, args = block_forever, {r: (fifo,) for r in range(nprocs)}
+        async with aioelastic.start_processes(
+            "sup",
+            entry,
+            args,
+            {r: {} for r in range(nprocs)},
+            start_method="spawn" if method == "binary" else method,
+        ) as ctx:
+            seen = b""
+            while seen.count(b"\n") < nprocs:
+                await anyio.wait_readable(ready_fd)
+                seen += os.read(ready_fd, 4096)
+            print("pids", *ctx.pids().values(), flush=True)
+            if hold_seconds <= 0:
+                await anyio.sleep_forever()
+            # Idle threads of anyio's pool retire after 10 s: make some, then outlive them.
+            await anyio.to_thread.run_sync(lambda: None)
+            await anyio.sleep(hold_seconds)
+            alive = (
+                all(
+                    os.waitid(os.P_PID, p, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+                    for p in ctx.pids().values()
+                )
+                if method != "forkserver"
+                else all(os.path.exists(f"/proc/{p}") for p in ctx.pids().values())
+            )
+            print("alive" if alive else "dead", flush=True)
+
+    anyio.run(run)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Workers die with their supervisor, however it dies — and only then."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.waits import is_running
+
+pytestmark = pytest.mark.asyncio
+
+
+async def _start_supervisor(
+    tmp_path: Path, method: str, nprocs: int, hold: float
+) -> tuple[anyio.abc.Process, list[int]]:
+    fifo = tmp_path / "ready.fifo"
+    os.mkfifo(fifo)
+    proc = await anyio.open_process(
+        [
+            sys.executable,
+            "-m",
+            "tests.children.core",
+            "supervise",
+            method,
+            str(nprocs),
+            str(fifo),
+            str(hold),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=None,
+    )
+    assert proc.stdout is not None
+    line = b""
+    with anyio.fail_after(60):
+        while not line.endswith(b"\n"):
+            line += await proc.stdout.receive(1)
+    words = line.decode().split()
+    assert words[0] == "pids", line
+    return proc, [int(w) for w in words[1:]]
+
+
+async def _exits(pid: int, timeout: float = 10.0) -> None:
+    fd = os.pidfd_open(pid)
+    try:
+        with anyio.fail_after(timeout):
+            await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver", "binary"])
+async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, method: str) -> None:
+    proc, pids = await _start_supervisor(tmp_path, method, 2, hold=0)
+    assert all(is_running(pid) for pid in pids)
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+    for pid in pids:
+        await _exits(pid)  # the kernel's parent-death signal, not any code of ours
+    await proc.aclose()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+async def test_workers_outlive_the_thread_that_started_them(tmp_path: Path) -> None:
+    proc, pids = await _start_supervisor(tmp_path, "spawn", 2, hold=11.0)
+    assert proc.stdout is not None
+    verdict = b""
+    with anyio.fail_after(40):
+        while not verdict.endswith(b"\n"):
+            verdict += await proc.stdout.receive(1)
+    assert verdict.strip() == b"alive"
+    proc.send_signal(signal.SIGTERM)
+    await proc.wait()
+    for pid in pids:
+        await _exits(pid)
+    await proc.aclose()
