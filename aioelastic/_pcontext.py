@@ -440,11 +440,18 @@ class PContext:
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
-        if not self._temporary_log_root or self._log_root is None:
+        """Remove the temporary log directory unless it holds something to keep.
+
+        Logs and error files are never deleted: only a directory that stayed empty (no
+        stream redirected, no worker wrote an error file) is removed.
+        """
+        root = self._log_root
+        if not self._temporary_log_root or root is None:
             return
-        if any(self._spec.redirects.values()):
-            return  # they are the user's logs now; the path was logged at start
-        shutil.rmtree(self._log_root, ignore_errors=True)
+        if any(path.is_file() for path in root.rglob("*")):
+            logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
+            return
+        shutil.rmtree(root, ignore_errors=True)
 
     async def __aexit__(
         self,
