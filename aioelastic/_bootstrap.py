@@ -95,13 +95,13 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
     _platform.die_with_parent(parent_pid)
     with open(payload_fd, "rb") as f:
         data = f.read()
-    stream = io.BytesIO(data)
+    payload = io.BytesIO(data)
     # Two pickles, each read by a fresh unpickler: one Unpickler's memo would carry over
     # into the second message and resolve its references to the first one's objects.
     # The preparation data re-imports the parent's __main__ as __mp_main__ first, so
     # that the call's functions defined in the user's script can be unpickled.
-    multiprocessing.spawn.prepare(pickle.load(stream))
-    call: FunctionCall = pickle.load(stream)
+    multiprocessing.spawn.prepare(pickle.load(payload))
+    call: FunctionCall = pickle.load(payload)
     os.environ.clear()
     os.environ.update(call.env)
     # Line-buffered like a terminal, so tee'd and logged lines appear as they are printed.
