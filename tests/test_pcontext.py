@@ -377,7 +377,7 @@ async def test_start_failure_stops_the_ones_already_started(tmp_path: Path) -> N
         {0: (1, 2)},
         envs(1),
         start_method="forkserver",
-        forkserver_preload=("tests.children.broken_import_for_test",),
+        forkserver_preload=("tests.children.import_fails",),
     )
     with pytest.raises(RuntimeError, match="could not import"):
         async with ctx:
