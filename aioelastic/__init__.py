@@ -8,6 +8,7 @@ from ._errors import ChildFailedError, ProcessFailure, record
 from ._pcontext import PContext, run_processes, start_processes
 from ._results import RunProcsResult
 from ._std import Std, to_map
+from ._subreaper import enable_subreaper, subreaper_enabled
 
 __all__ = [
     # Running a group of workers
@@ -22,4 +23,7 @@ __all__ = [
     # Logs
     "Std",
     "to_map",
+    # Process ownership
+    "enable_subreaper",
+    "subreaper_enabled",
 ]

@@ -28,7 +28,7 @@ from typing import Protocol
 import anyio
 import anyio.to_thread
 
-from . import _platform
+from . import _platform, _subreaper
 
 _STATUS = struct.Struct("=i")
 
@@ -78,6 +78,7 @@ class PidfdWatch:
             pass
         os.close(self._pidfd)
         self._pidfd = None
+        _subreaper.own_children.discard(self.pid)
 
 
 # Waiter threads block until their process exits, and every worker gets one in fallback
@@ -124,6 +125,7 @@ class ThreadWatch:
             os.waitpid(self.pid, 0)
         except ChildProcessError:
             pass
+        _subreaper.own_children.discard(self.pid)
 
 
 class StatusPipeWatch:

@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import anyio
 
-from . import _platform
+from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
 
@@ -68,6 +68,11 @@ class Launched:
     payload_fd: int | None = None
 
 
+def _register(popen: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    _subreaper.own_children.add(popen.pid)
+    return popen
+
+
 def _disown(popen: subprocess.Popen[bytes]) -> None:
     # The exit is watched and the zombie reaped by our ExitWatch, after teardown. Left
     # with returncode None, subprocess would put a collected Popen on its _active list
@@ -86,16 +91,19 @@ def start_binary(
     argv: Sequence[str], env: dict[str, str], stdout_fd: int | None, stderr_fd: int
 ) -> Launched:
     """Start ``argv`` (no shell) in a new process group with a parent-death signal."""
-    popen = subprocess.Popen(
-        list(argv),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=stdout_fd,
-        stderr=stderr_fd,
-        close_fds=True,
-        # prctl() has to happen between fork and exec for a binary we do not control.
-        **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
-    )
+    with _subreaper.creation_guard():
+        popen = _register(
+            subprocess.Popen(
+                list(argv),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout_fd,
+                stderr=stderr_fd,
+                close_fds=True,
+                # prctl() has to happen between fork and exec for a binary we do not control.
+                **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
+            )
+        )
     launched = Launched(popen.pid, watch_child(popen.pid))
     _disown(popen)
     return launched
@@ -125,16 +133,19 @@ def start_python(
     No ``preexec_fn`` here (so the fast vfork path stays available): the bootstrap code
     sets the parent-death signal itself and checks that its parent is still alive.
     """
-    return subprocess.Popen(
-        python_command(code),
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=stdout_fd,
-        stderr=stderr_fd,
-        pass_fds=tuple(pass_fds),
-        close_fds=True,
-        **_platform.new_group_popen_kwargs(),
-    )
+    with _subreaper.creation_guard():
+        return _register(
+            subprocess.Popen(
+                python_command(code),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout_fd,
+                stderr=stderr_fd,
+                pass_fds=tuple(pass_fds),
+                close_fds=True,
+                **_platform.new_group_popen_kwargs(),
+            )
+        )
 
 
 def preparation_data(name: str) -> dict[str, object]:
@@ -193,7 +204,10 @@ def start_fork(
     """Fork a function worker from this process (``multiprocessing``'s "fork" semantics)."""
     flush_std_streams()
     parent = os.getpid()
-    pid = os.fork()
+    with _subreaper.creation_guard():
+        pid = os.fork()
+        if pid != 0:
+            _subreaper.own_children.add(pid)
     if pid == 0:
         forked_worker(
             parent_pid=parent,

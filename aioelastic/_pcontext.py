@@ -38,6 +38,7 @@ from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import stop_workers
 from ._validate import LaunchSpec, validate
+from ._watchdog import watchdog
 from ._worker import WorkerProcess
 
 logger = logging.getLogger("aioelastic")
@@ -102,6 +103,7 @@ class PContext:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
         prepared = self._prepare()
+        await _launchers.on_launcher_thread(watchdog.ensure_started)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -200,6 +202,7 @@ class PContext:
         finally:
             for fd in child_ends:
                 os.close(fd)
+        watchdog.watch(launched.pid)
         worker = WorkerProcess(
             local_rank=rank,
             launched=launched,
@@ -237,8 +240,11 @@ class PContext:
                 _launchers.start_binary, argv, env, out_w, err_w
             )
         if isinstance(payload, FunctionCall):
+            # The forked child inherits every fd; these it must not keep (the watchdog's
+            # pipe would otherwise outlive us in a grandchild).
+            private = [*parent_ends, *filter(None, [watchdog.fileno()])]
             return await _launchers.on_launcher_thread(
-                _launchers.start_fork, payload, out_w, err_w, res_w, parent_ends
+                _launchers.start_fork, payload, out_w, err_w, res_w, private
             )
         if spec.start_method == "spawn":
             return await _launchers.on_launcher_thread(

@@ -126,6 +126,27 @@ def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
     return members
 
 
+def children_of(parent: int) -> dict[int, str]:
+    """The children of ``parent`` (pid -> /proc state letter), zombies included."""
+    children: dict[int, str] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return children
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split(None, 2)
+        if int(fields[1]) == parent:
+            children[int(entry)] = fields[0].decode()
+    return children
+
+
 def signal_group(pgid: int, sig: int) -> bool:
     """Send ``sig`` to process group ``pgid``; ``False`` if the group no longer exists."""
     try:

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 import anyio
 
 from . import _platform
+from ._subreaper import sweep_strays
+from ._watchdog import watchdog
 from ._worker import WorkerProcess
 
 logger = logging.getLogger("aioelastic")
@@ -65,6 +67,8 @@ async def stop_workers(
     for worker in pending:
         worker.launched.watch.reap()
         worker.reaped = True
+        watchdog.forget(worker.pid)
+    await sweep_strays()
 
 
 async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:

@@ -75,16 +75,24 @@ def _open_fds() -> dict[int, str]:
 
 
 def _long_lived_helper_pids() -> set[int]:
-    """Processes aioelastic keeps on purpose between runs (the warm fork servers)."""
+    """Processes aioelastic keeps on purpose between runs (warm fork servers, watchdog)."""
     from aioelastic import _forkserver
+    from aioelastic._watchdog import watchdog
 
-    return set(_forkserver.running_server_pids())
+    pids = set(_forkserver.running_server_pids())
+    if watchdog.pid is not None:
+        pids.add(watchdog.pid)
+    return pids
 
 
 def _long_lived_helper_fds() -> set[int]:
     from aioelastic import _forkserver
+    from aioelastic._watchdog import watchdog
 
-    return set(_forkserver.open_server_fds())
+    fds = set(_forkserver.open_server_fds())
+    if watchdog.fileno() is not None:
+        fds.add(watchdog.fileno())  # type: ignore[arg-type]
+    return fds
 
 
 @pytest.fixture(autouse=True)

@@ -40,9 +40,13 @@ async def _start_supervisor(
     with anyio.fail_after(60):
         while not line.endswith(b"\n"):
             line += await proc.stdout.receive(1)
-    words = line.decode().split()
+    head, _, reported = line.decode().partition("|")
+    words = head.split()
     assert words[0] == "pids", line
-    return proc, [int(w) for w in words[1:]]
+    pids = [int(w) for w in words[1:]]
+    if method == "grandchildren":
+        pids += [int(w) for w in reported.split()]
+    return proc, pids
 
 
 async def _exits(pid: int, timeout: float = 10.0) -> None:
@@ -54,15 +58,27 @@ async def _exits(pid: int, timeout: float = 10.0) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver", "binary"])
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver", "binary", "grandchildren"])
 async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, method: str) -> None:
     proc, pids = await _start_supervisor(tmp_path, method, 2, hold=0)
     assert all(is_running(pid) for pid in pids)
     proc.send_signal(signal.SIGKILL)
     await proc.wait()
     for pid in pids:
-        await _exits(pid)  # the kernel's parent-death signal, not any code of ours
+        # Workers: the kernel's parent-death signal. Their children: the watchdog.
+        await _exits(pid)
     await proc.aclose()
+
+
+async def test_subreaper_mode_stops_a_descendant_that_left_its_group(tmp_path: Path) -> None:
+    fifo = tmp_path / "ready.fifo"
+    os.mkfifo(fifo)
+    proc = await anyio.run_process(
+        [sys.executable, "-m", "tests.children.core", "subreaper", str(fifo)], check=True
+    )
+    words = proc.stdout.decode().split()
+    assert words[0] == "escaped"
+    assert words[2] == "gone", f"escaped descendant {words[1]} left in state {words[2]}"
 
 
 @pytest.mark.slow

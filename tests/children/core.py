@@ -101,6 +101,9 @@ def main() -> None:
     if command == "supervise":
         supervise(args[0], int(args[1]), args[2], float(args[3]))
         return
+    if command == "subreaper":
+        subreaper_demo(args[0])
+        return
     if command == "echo-env":
         print(os.environ.get(args[0], "<unset>"))
         return
@@ -136,6 +139,8 @@ def supervise(method: str, nprocs: int, fifo: str, hold_seconds: float) -> None:
         if method == "binary":
             entry: Any = sys.executable
             args = {r: ("-m", "tests.children.core", "block", fifo) for r in range(nprocs)}
+        elif method == "grandchildren":
+            entry, args = grandchild_then, {r: (fifo, -1) for r in range(nprocs)}
         else:
             entry, args = block_forever, {r: (fifo,) for r in range(nprocs)}
         async with aioelastic.start_processes(
@@ -143,13 +148,14 @@ def supervise(method: str, nprocs: int, fifo: str, hold_seconds: float) -> None:
             entry,
             args,
             {r: {} for r in range(nprocs)},
-            start_method="spawn" if method == "binary" else method,
+            start_method="spawn" if method in ("binary", "grandchildren") else method,
         ) as ctx:
             seen = b""
             while seen.count(b"\n") < nprocs:
                 await anyio.wait_readable(ready_fd)
                 seen += os.read(ready_fd, 4096)
-            print("pids", *ctx.pids().values(), flush=True)
+            reported = [int(w) for w in seen.split() if w.isdigit()]
+            print("pids", *ctx.pids().values(), "|", *reported, flush=True)
             if hold_seconds <= 0:
                 await anyio.sleep_forever()
             # Idle threads of anyio's pool retire after 10 s: make some, then outlive them.
@@ -164,6 +170,41 @@ def supervise(method: str, nprocs: int, fifo: str, hold_seconds: float) -> None:
                 else all(os.path.exists(f"/proc/{p}") for p in ctx.pids().values())
             )
             print("alive" if alive else "dead", flush=True)
+
+    anyio.run(run)
+
+
+def escape_group(fifo: str) -> None:
+    """Start a grandchild in a new session (out of our process group), report it, block."""
+    child = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    _say(fifo, f"escaped {child.pid}")
+    threading.Event().wait()
+
+
+def subreaper_demo(fifo: str) -> None:
+    """In subreaper mode, close a worker whose child escaped; print what survived."""
+    import anyio
+
+    import aioelastic
+
+    async def run() -> None:
+        assert aioelastic.enable_subreaper()
+        ready_fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        _keep_open = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        async with aioelastic.start_processes(
+            "sub", escape_group, {0: (fifo,)}, {0: {}}, grace_period=2
+        ):
+            seen = b""
+            while not seen.endswith(b"\n"):
+                await anyio.wait_readable(ready_fd)
+                seen += os.read(ready_fd, 4096)
+            escaped = int(seen.split()[1])
+        try:
+            with open(f"/proc/{escaped}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            state = "gone"
+        print("escaped", escaped, state, flush=True)
 
     anyio.run(run)
 
