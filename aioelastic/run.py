@@ -13,11 +13,13 @@ the workers:
   signal N killed it); 128+N when the launcher is stopped by signal N. torchrun exits 1.
 * the failure table names the root cause and shows its traceback even for a plain script
   (the last lines of its stderr), no ``@record`` needed;
-* a stop signal is passed on with ``--shutdown-timeout`` seconds of grace, a second one
-  kills at once, and nothing outlives the launcher, not even when it is SIGKILLed
-  (`._cli_watchdog`);
+* a stop signal gives the workers ``--shutdown-timeout`` seconds of grace, a second one
+  kills at once, and nothing outlives the launcher, not even when it is SIGKILLed (the
+  core's watchdog kills the workers' process groups) or when a worker's child left its
+  process group (the launcher is a subreaper, see `aioelastic.enable_subreaper`);
 * a single-node run does not import torch in the launcher;
-* a run without ``--log-dir`` and without redirects leaves no temporary directory.
+* a run without ``--log-dir`` leaves no temporary directory, unless it holds logs or
+  error files the user asked for or needs.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from typing import Any, NoReturn
 import anyio
 
 from ._cli_args import LaunchPlan, parse_args, plan_from_args
-from ._cli_watchdog import Watchdog
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
 from ._std import Std
+from ._subreaper import enable_subreaper
 
 __all__ = ["exit_code_for", "main", "run", "run_script_path"]
 
@@ -71,14 +73,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     _configure_logging()
     for warning in plan.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
-    name = args.training_script
-    # Forked first, while this process has one thread: a fork after threads exist could
-    # copy a lock some other thread holds.
-    watchdog = Watchdog.start()
-    try:
-        return anyio.run(_launch, plan, name, watchdog)
-    finally:
-        watchdog.close()
+    # The launcher owns its supervision: a descendant of a worker that left the worker's
+    # process group is re-parented to us instead of init, and swept at each teardown.
+    enable_subreaper()
+    return anyio.run(_launch, plan, args.training_script)
 
 
 def exit_code_for(failure: ProcessFailure) -> int:
@@ -115,24 +113,21 @@ def _configure_logging() -> None:
         root.setLevel(logging.WARNING)
 
 
-async def _launch(plan: LaunchPlan, name: str, watchdog: Watchdog) -> int:
+async def _launch(plan: LaunchPlan, name: str) -> int:
     from ._signals import SignalReceived
 
     job_dir, temporary = _job_log_dir(plan)
     try:
         agent = await _make_agent(plan, job_dir)
-        events = agent.events()
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_guard_workers, events, watchdog)
-            try:
-                result = await agent.run()
-            except SignalReceived as e:
-                sig = signal.Signals(e.signum)
-                print(f"{PROG}: stopped by {sig.name}; workers stopped", file=sys.stderr)
-                return e.exit_code
-            except Exception as e:
-                _report_launcher_error(e)
-                return 1
+        try:
+            result = await agent.run()
+        except SignalReceived as e:
+            sig = signal.Signals(e.signum)
+            print(f"{PROG}: stopped by {sig.name}; workers stopped", file=sys.stderr)
+            return e.exit_code
+        except Exception as e:
+            _report_launcher_error(e)
+            return 1
         if not result.is_failed():
             return 0
         error = ChildFailedError(name, dict(result.failures))
@@ -142,7 +137,7 @@ async def _launch(plan: LaunchPlan, name: str, watchdog: Watchdog) -> int:
             _record_child_failure(error)
         return exit_code_for(error.get_first_failure()[1])
     finally:
-        if temporary:
+        if temporary and not _holds_files(job_dir):
             shutil.rmtree(job_dir, ignore_errors=True)
 
 
@@ -150,8 +145,9 @@ def _job_log_dir(plan: LaunchPlan) -> tuple[str, bool]:
     """A fresh directory for this run's logs, and whether to delete it at the end.
 
     With ``--log-dir``, a ``<run_id>_<random>`` sub-directory as torchrun makes, so the same
-    base directory serves many runs. Without it, a temporary directory that is deleted
-    after the run unless a stream was redirected into it (those logs are the user's).
+    base directory serves many runs. Without it, a temporary directory, deleted after the
+    run unless a stream was redirected into it (those logs are the user's) or a worker
+    left an error file there (the failure report names it).
     """
     if plan.log_dir is not None:
         os.makedirs(plan.log_dir, exist_ok=True)
@@ -233,19 +229,8 @@ async def _make_agent(plan: LaunchPlan, log_dir: str) -> Any:
     )
 
 
-async def _guard_workers(events: Any, watchdog: Watchdog) -> None:
-    """Keep the watchdog's list of worker process groups in step with the agent."""
-    from ._events import GroupRestarting, RunFailed, RunSucceeded, WorkersStarted
-
-    current: list[int] = []
-    async for event in events:
-        if isinstance(event, WorkersStarted):
-            current = list(event.pids.values())
-            watchdog.guard(current)
-        elif isinstance(event, (GroupRestarting, RunSucceeded, RunFailed)) and current:
-            # Emitted once the attempt's teardown is over: those groups are empty now.
-            watchdog.release(current)
-            current = []
+def _holds_files(directory: str) -> bool:
+    return any(files for _, _, files in os.walk(directory))
 
 
 def _report_launcher_error(error: Exception) -> None:

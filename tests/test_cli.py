@@ -378,6 +378,19 @@ def test_sigterm_stops_workers_and_their_children_within_the_shutdown_timeout() 
 
 
 @pytest.mark.timeout(60)
+def test_a_worker_child_that_left_its_process_group_is_stopped_too() -> None:
+    with launcher("--nproc-per-node", "2", SCRIPT, "hold", "--escape") as run:
+        ready = run.wait_for(READY, 2)
+        children = [int(m[3]) for m in ready]
+        assert all(os.getpgid(c) == c for c in children)  # out of the workers' groups
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish() == 128 + signal.SIGTERM, run.stderr
+    # Orphaned when their worker stopped, re-parented to the launcher (a subreaper), and
+    # swept by its teardown.
+    assert wait_gone(children, 0) == []
+
+
+@pytest.mark.timeout(60)
 def test_sigint_exits_130_and_a_second_signal_kills_at_once() -> None:
     with launcher(
         "--nproc-per-node", "2", "--shutdown-timeout", "300", SCRIPT, "hold", "--ignore-signals",

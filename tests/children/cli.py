@@ -107,12 +107,16 @@ def cmd_flaky(args: argparse.Namespace) -> None:
 def cmd_hold(args: argparse.Namespace) -> None:
     """Start a child that ignores SIGTERM and SIGINT, print ``ready`` with both pids, wait.
 
-    With ``--ignore-signals`` the worker ignores them too, so only SIGKILL stops it.
+    With ``--ignore-signals`` the worker ignores them too, so only SIGKILL stops it. With
+    ``--escape`` the child leaves the worker's process group (a new session), out of reach
+    of signals sent to the group.
     """
     if args.ignore_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-    child = subprocess.Popen([sys.executable, "-c", _SLEEPER], stdout=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SLEEPER], stdout=subprocess.PIPE, start_new_session=args.escape
+    )
     assert child.stdout is not None
     child.stdout.readline()  # its handlers are in place: a signal from now on is ignored
     print(f"ready rank={_rank()} pid={os.getpid()} child={child.pid}", flush=True)
@@ -155,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     flaky.add_argument("--code", type=int, default=3)
     hold = sub.add_parser("hold")
     hold.add_argument("--ignore-signals", action="store_true")
+    hold.add_argument("--escape", action="store_true")
     lines = sub.add_parser("lines")
     lines.add_argument("--count", type=int, default=3)
     lines.add_argument("--fail-rank", type=int, default=-1)
