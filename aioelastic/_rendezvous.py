@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import queue
+import socket
 import threading
 import uuid
 from collections import Counter
@@ -45,7 +46,13 @@ if TYPE_CHECKING:
 Store = Any
 """A ``torch.distributed.Store``; typed loosely so that type checking needs no torch stubs."""
 
-__all__ = ["Rendezvous", "RendezvousOutcome", "create_rdzv_handler", "standalone_handler"]
+__all__ = [
+    "Rendezvous",
+    "RendezvousOutcome",
+    "create_rdzv_handler",
+    "parse_endpoint",
+    "standalone_handler",
+]
 
 logger = logging.getLogger("aioelastic.rendezvous")
 
@@ -56,6 +63,8 @@ _T = TypeVar("_T")
 _ROLE_INFO_PREFIX = "torchelastic/role_info/"
 _ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
 _TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"
+# Ours: where node rank 0 publishes the worker store it hosts for the round.
+_WORKER_STORE_KEY = "aioelastic/worker_store"
 
 CLOSE_TIMEOUT = 30.0
 """How long `Rendezvous.aclose` waits for torch's ``shutdown()`` (torch's close timeout)."""
@@ -217,6 +226,17 @@ async def standalone_handler(local_addr: str | None = None) -> RendezvousHandler
     )
 
 
+def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
+    """``host[:port]`` (IPv6 in brackets) as torch's launcher parses it.
+
+    Raises:
+        ValueError: torch's, for a bad port or host name.
+    """
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    return parse_rendezvous_endpoint(endpoint, default_port=default_port)
+
+
 @dataclass(frozen=True)
 class RendezvousOutcome:
     """What one completed round tells this node.
@@ -253,7 +273,9 @@ class Rendezvous:
             node). True for handlers the agent created itself.
     """
 
-    def __init__(self, handler: RendezvousHandler, *, owned: bool = False) -> None:
+    def __init__(
+        self, handler: RendezvousHandler, *, owned: bool = False, local_addr: str | None = None
+    ) -> None:
         for method in ("next_rendezvous", "num_nodes_waiting", "get_run_id", "shutdown"):
             if not callable(getattr(handler, method, None)):
                 raise TypeError(
@@ -267,6 +289,8 @@ class Rendezvous:
         self.backend: str = handler.get_backend()
         self._thread = _SerialThread(f"aioelastic-rdzv-{self.run_id}")
         self._last: RendezvousOutcome | None = None
+        self._local_addr = local_addr
+        self._worker_store: Store | None = None
 
     @property
     def use_agent_store(self) -> bool:
@@ -308,7 +332,7 @@ class Rendezvous:
             addr = bootstrap.master_addr if bootstrap else None
             port = bootstrap.master_port if bootstrap else None
             if self.use_agent_store and self.membership_can_change:
-                addr, port = _agree_on_worker_store(info.store, info.rank, addr, port)
+                addr, port = self._fresh_worker_store(info.store, info.rank, addr, port)
             addr = master_addr or addr
             port = master_port or port
             if addr is None or port is None:
@@ -396,30 +420,51 @@ class Rendezvous:
                     logger.warning("rendezvous shutdown took over %.0f s; gave up", CLOSE_TIMEOUT)
         finally:
             self._last = None
+            self._worker_store = None
             self._thread.close()
 
+    def _fresh_worker_store(
+        self, store: Store, group_rank: int, addr: str | None, port: int | None
+    ) -> tuple[str, int]:
+        """A new store for this round's workers, hosted by node rank 0; its address.
 
-def _agree_on_worker_store(
-    store: Store, group_rank: int, addr: str | None, port: int | None
-) -> tuple[str | None, int | None]:
-    """Make every node of a round use the worker store that node rank 0 reports.
+        Works around two bugs of torch 2.13's dynamic rendezvous with a shared agent store
+        (``TORCHELASTIC_USE_AGENT_STORE=True``):
 
-    Works around torch 2.13's dynamic rendezvous with a shared agent store: its rank 0
-    publishes ``MASTER_ADDR``/``MASTER_PORT`` in a round's store only the first time it
-    hosts the store, so a node joining a later round (a scale-up, a replacement) blocks in
-    ``next_rendezvous`` until the store times out; and a node that was rank 0 before keeps
-    its old address when another node becomes rank 0. Here rank 0 republishes what it
-    reports, under torch's own keys, in every round, and the other ranks read it from there.
-    """
-    from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
+        * its rank 0 keeps one worker store for the whole job, so restarted workers find
+          the keys of the workers before them (gloo then connects to dead addresses and
+          fails in ``connectFullMesh``; torchrun's own restarts hit this). torch's worker
+          side expects a new store per attempt (``torch.distributed.rendezvous``: "We
+          create a new TCPStore for every retry");
+        * its rank 0 publishes ``MASTER_ADDR``/``MASTER_PORT`` in a round's store only the
+          first time it hosts the store, so a node joining a later round (a scale-up, a
+          replacement) blocks in ``next_rendezvous`` until its store read times out.
 
-    keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
-    if group_rank == 0:
-        if addr is not None and port is not None and not store.check(keys):
-            store.set(keys[0], addr.encode("UTF-8"))
-            store.set(keys[1], str(port).encode("UTF-8"))
-        return addr, port
-    return store.get(keys[0]).decode("UTF-8"), int(store.get(keys[1]).decode("UTF-8"))
+        So here node rank 0 hosts a fresh TCPStore every round and publishes it under a key
+        of ours; the other nodes read it from the round's store. Rank 0 also fills in
+        torch's keys where torch left them out, which is what unblocks a late joiner.
+        Runs on the handler thread, right after ``next_rendezvous``.
+        """
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous import RendezvousStoreInfo
+
+        if group_rank != 0:
+            addr, port = json.loads(store.get(_WORKER_STORE_KEY))
+            return str(addr), int(port)
+        own_addr = self._local_addr or socket.getfqdn()
+        # torch re-exports TCPStore from torch._C without listing it for type checkers.
+        server = dist.TCPStore(  # type: ignore[attr-defined]
+            host_name=own_addr, port=0, is_master=True, multi_tenant=True, wait_for_workers=False
+        )
+        # The previous round's store goes only now: its workers are stopped, and the new
+        # one has a different port, so no late client of the old one can reach the new.
+        self._worker_store = server
+        torch_keys = [RendezvousStoreInfo.MASTER_ADDR_KEY, RendezvousStoreInfo.MASTER_PORT_KEY]
+        if not store.check(torch_keys):
+            store.set(torch_keys[0], (addr or own_addr).encode("UTF-8"))
+            store.set(torch_keys[1], str(port or server.port).encode("UTF-8"))
+        store.set(_WORKER_STORE_KEY, json.dumps([own_addr, server.port]))
+        return own_addr, int(server.port)
 
 
 def _assign_ranks(

@@ -85,6 +85,16 @@ async def test_standalone_is_torchruns_single_node_default() -> None:
     assert client.get("hello") == b"world"
     del client
     assert await rdzv.num_nodes_waiting() == 0
+    # Every round's workers get a store of their own, without the keys of the workers
+    # before them (torch 2.13 reuses one, and restarted gloo workers then connect to the
+    # dead workers' addresses).
+    again = await rdzv.next_rendezvous("default", 2)
+    assert again.master_port != outcome.master_port
+    client = torch_distributed.TCPStore(
+        again.master_addr, again.master_port, is_master=False, wait_for_workers=False
+    )
+    assert not client.check(["hello"])
+    del client
     await rdzv.aclose()
 
 

@@ -1,0 +1,844 @@
+"""The elastic agent: rendezvous, start the local workers, watch them, restart them.
+
+One agent runs per node. Each attempt goes: join a rendezvous round through torch's handler
+(`._rendezvous`), agree on worker ranks, start the local workers as one group through the
+core's `start_processes` (its own ``attempt_{n}`` log directory), then wait for whichever
+comes first:
+
+* the group's outcome (``ctx.wait()``, which returns the moment every worker succeeded or
+  the first one failed, already stopped siblings included): success ends the run after the
+  exit barrier; a failure restarts the group if restarts are left;
+* a node waiting to join (``num_nodes_waiting() > 0``): the group is stopped and everyone
+  re-rendezvouses, without using a restart. This is the one thing checked periodically,
+  every ``monitor_interval``, because torch's rendezvous state lives in a store that has
+  no notifications.
+
+Stopping is always the core's teardown (``ctx.close()``); the agent never signals a
+worker itself.
+
+Differences from torch's ``LocalElasticAgent`` that matter: failures and success are acted
+on when the exit is seen instead of on the next ``monitor_interval`` tick; every attempt,
+membership changes included, logs to a new directory and none is ever deleted; optional
+backoff between restarts (`RestartBackoff`) and exit codes that are never retried
+(``no_retry_exit_codes``); the exit barrier timeout is a constructor argument that
+`elastic_launch` exposes; signals are handled only for the run's duration and a second
+one skips the grace period; lifecycle events (`events`).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import os
+import random
+import signal
+import string
+import tempfile
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ._agent_env import worker_env
+from ._errors import ProcessFailure
+from ._events import (
+    AgentEvent,
+    EventHub,
+    EventStream,
+    FailureReason,
+    GroupRestarting,
+    GroupStopping,
+    RendezvousCompleted,
+    RunFailed,
+    RunSucceeded,
+    StopReason,
+    WorkerFailed,
+    WorkersStarted,
+)
+from ._pcontext import PContext, start_processes
+from ._rendezvous import Rendezvous, RendezvousOutcome, create_rdzv_handler, standalone_handler
+from ._results import RunProcsResult
+from ._signals import SignalReceived, SignalScope, handle_signals
+from ._std import Std, to_map
+from ._validate import START_METHODS
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
+
+    from ._rendezvous import Store
+
+__all__ = [
+    "DEFAULT_ROLE",
+    "DEFAULT_SIGNALS_TO_HANDLE",
+    "LocalElasticAgent",
+    "RestartBackoff",
+    "RunResult",
+    "Worker",
+    "WorkerGroup",
+    "WorkerSpec",
+    "WorkerState",
+]
+
+logger = logging.getLogger("aioelastic.agent")
+
+DEFAULT_ROLE = "default"
+
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+"""torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE`` / ``--signals-to-handle``."""
+
+_LOCAL_RANK_MACRO = "local_rank"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartBackoff:
+    """Exponential backoff with jitter between failure restarts (torch restarts at once).
+
+    Before failure restart ``k`` (1, 2, ...) the agent waits
+    ``d * (1 - jitter) + uniform(0, d * jitter)`` seconds, where
+    ``d = min(maximum, initial * multiplier ** (k - 1))``. ``jitter=1`` is "full jitter"
+    (anywhere in ``[0, d]``), ``jitter=0`` waits exactly ``d``. Jitter keeps nodes that
+    failed together from hammering a shared resource (a store, a filesystem, a licence
+    server) in lockstep. Membership-change restarts never wait: peers are waiting.
+
+    Attributes:
+        initial: ``d`` for the first restart, seconds.
+        maximum: cap on ``d``, seconds.
+        multiplier: growth of ``d`` per restart (>= 1).
+        jitter: the randomised fraction of ``d``, in ``[0, 1]``.
+    """
+
+    initial: float = 1.0
+    maximum: float = 60.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("initial", "maximum", "multiplier", "jitter"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"RestartBackoff.{name} must be a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"RestartBackoff.{name} must be finite and >= 0, got {value}")
+        if self.multiplier < 1:
+            raise ValueError(f"RestartBackoff.multiplier must be >= 1, got {self.multiplier}")
+        if self.jitter > 1:
+            raise ValueError(f"RestartBackoff.jitter must be in [0, 1], got {self.jitter}")
+        if self.maximum < self.initial:
+            raise ValueError(
+                f"RestartBackoff.maximum ({self.maximum}) must be >= initial ({self.initial})"
+            )
+
+    def delay(self, restart: int, rng: random.Random | None = None) -> float:
+        """Seconds to wait before failure restart number ``restart`` (1-based).
+
+        Args:
+            restart: which restart: 1 for the first.
+            rng: source of randomness (default: the ``random`` module).
+
+        Raises:
+            ValueError: ``restart`` is less than 1.
+        """
+        if restart < 1:
+            raise ValueError(f"restart counts from 1, got {restart}")
+        try:
+            base = min(self.maximum, self.initial * self.multiplier ** (restart - 1))
+        except OverflowError:
+            base = self.maximum
+        spread = base * self.jitter
+        return base - spread + (rng or random).uniform(0.0, spread)
+
+
+def _exit_codes(value: object) -> frozenset[int]:
+    if isinstance(value, (int, str, bytes)):
+        raise TypeError(
+            f"no_retry_exit_codes must be a collection of ints, got {value!r}; "
+            "e.g. no_retry_exit_codes={2} (wrap a single code in a set)"
+        )
+    if not isinstance(value, Iterable):
+        raise TypeError(f"no_retry_exit_codes must be a collection of ints, got {value!r}")
+    codes = set()
+    for code in value:
+        if isinstance(code, bool) or not isinstance(code, int):
+            raise TypeError(f"no_retry_exit_codes must hold ints, got {code!r}")
+        if code == 0:
+            raise ValueError("no_retry_exit_codes cannot hold 0: exit code 0 is success")
+        codes.add(code)
+    return frozenset(codes)
+
+
+@dataclass(kw_only=True)
+class WorkerSpec:
+    """What to run on this node, and how to recover: torch's ``WorkerSpec`` plus extras.
+
+    Attributes:
+        role: the workers' role (``ROLE_NAME``; the log prefix ``[{role}{local_rank}]:``).
+        local_world_size: how many workers this node runs.
+        entrypoint: a picklable function (function workers) or a binary's path or name
+            (binary workers), as in `start_processes`.
+        args: the arguments, the same for every worker; in strings ``${local_rank}`` is
+            replaced by each worker's local rank (torch's macro).
+        max_restarts: how many times a failed group is restarted (failures only).
+        monitor_interval: how often to check the rendezvous for nodes waiting to join,
+            seconds. Worker exits are events and are acted on at once.
+        rdzv_handler: torch's ``RendezvousHandler``; ``None`` means one node:
+            torchrun's ``--standalone`` (``c10d`` on ``localhost:0``), or, when
+            ``master_port`` is given, ``static`` at ``master_addr:master_port``.
+        master_addr: overrides the store address workers get (``MASTER_ADDR``).
+        master_port: overrides its port (``MASTER_PORT``).
+        local_addr: this node's address as peers see it (for the default handler).
+        virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and
+            ``CUDA_VISIBLE_DEVICES`` naming its one device (torch's option).
+        restart_backoff: wait between failure restarts (see `RestartBackoff`); ``None``
+            restarts at once, as torch does.
+        no_retry_exit_codes: exit codes that fail the run at once, restarts left or not:
+            failures that will only repeat (a usage error, a missing file, a bad config;
+            pytorch#60910). Negative values name signals (``-9``: killed by SIGKILL).
+    """
+
+    role: str = DEFAULT_ROLE
+    local_world_size: int
+    entrypoint: Callable[..., Any] | str
+    args: tuple[Any, ...] = ()
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    rdzv_handler: RendezvousHandler | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
+    virtual_local_rank: bool = False
+    restart_backoff: RestartBackoff | None = None
+    no_retry_exit_codes: Collection[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.role, str) or not self.role:
+            raise ValueError(f"role must be a non-empty str, got {self.role!r}")
+        lws = self.local_world_size
+        if isinstance(lws, bool) or not isinstance(lws, int) or lws < 1:
+            raise ValueError(f"local_world_size must be an int >= 1, got {lws!r}")
+        if isinstance(self.entrypoint, str):
+            if not self.entrypoint:
+                raise ValueError("entrypoint is an empty str; give a binary's path or name")
+        elif not callable(self.entrypoint):
+            raise TypeError(
+                "entrypoint must be a function (function workers) or a str (a binary), "
+                f"got {self.entrypoint!r}"
+            )
+        args: object = self.args
+        if isinstance(args, list):
+            self.args = tuple(args)
+        elif not isinstance(args, tuple):
+            raise TypeError(f"args must be a tuple, got {type(args).__name__}: {args!r}")
+        mr = self.max_restarts
+        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {mr!r}")
+        mi = self.monitor_interval
+        if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not mi > 0:
+            raise ValueError(f"monitor_interval must be > 0 seconds, got {mi!r}")
+        if self.master_port is not None and (
+            isinstance(self.master_port, bool)
+            or not isinstance(self.master_port, int)
+            or not 0 < self.master_port < 65536
+        ):
+            raise ValueError(
+                f"master_port must be a port number 1..65535, got {self.master_port!r}"
+            )
+        if self.restart_backoff is not None and not isinstance(
+            self.restart_backoff, RestartBackoff
+        ):
+            raise TypeError(
+                f"restart_backoff must be a RestartBackoff or None, got {self.restart_backoff!r}"
+            )
+        self.no_retry_exit_codes = _exit_codes(self.no_retry_exit_codes)
+
+    def get_entrypoint_name(self) -> str:
+        """The binary's file name, or the function's qualified name."""
+        if isinstance(self.entrypoint, str):
+            return os.path.basename(self.entrypoint)
+        return str(getattr(self.entrypoint, "__qualname__", repr(self.entrypoint)))
+
+
+@dataclass
+class Worker:
+    """One local worker and its ranks (torch's ``Worker``).
+
+    Attributes:
+        local_rank: rank on this node.
+        global_rank: rank among all workers (``RANK``).
+        role_rank: rank among the workers of this role (``ROLE_RANK``).
+        world_size: number of workers in total (``WORLD_SIZE``).
+        role_world_size: number of workers of this role (``ROLE_WORLD_SIZE``).
+        id: the worker's pid while it runs, else None.
+    """
+
+    local_rank: int
+    global_rank: int = -1
+    role_rank: int = -1
+    world_size: int = -1
+    role_world_size: int = -1
+    id: int | None = None
+
+
+class WorkerState(str, enum.Enum):
+    """The state of a `WorkerGroup`; its workers change state as a unit (torch's states).
+
+    ``INIT`` before the first start; ``HEALTHY`` while running; ``STOPPED`` between a
+    stop and the next start (restart, membership change) and after a signal or a
+    cancellation; ``SUCCEEDED`` / ``FAILED`` at the end; ``UNKNOWN`` when the agent itself
+    failed (e.g. a rendezvous error). ``UNHEALTHY`` is never set by this agent.
+    """
+
+    UNKNOWN = "UNKNOWN"
+    INIT = "INIT"
+    HEALTHY = "HEALTHY"
+    UNHEALTHY = "UNHEALTHY"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    def is_running(self) -> bool:
+        """Whether workers are running (``HEALTHY`` or ``UNHEALTHY``).
+
+        Callable as ``state.is_running()`` or, as in torch, ``WorkerState.is_running(state)``.
+        """
+        return self in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
+
+
+class WorkerGroup:
+    """This node's workers for one spec (torch's ``WorkerGroup``).
+
+    Attributes:
+        spec: the spec.
+        workers: one `Worker` per local rank.
+        store: the last rendezvous round's store (torch's), or None before one.
+        group_rank: this node's rank, or None before a rendezvous.
+        group_world_size: the number of nodes, or None before a rendezvous.
+        master_addr: the store address given to workers, or None before a rendezvous.
+        master_port: its port, or None.
+        state: the group's `WorkerState`.
+    """
+
+    __slots__ = (
+        "group_rank",
+        "group_world_size",
+        "master_addr",
+        "master_port",
+        "spec",
+        "state",
+        "store",
+        "workers",
+    )
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
+        self.store: Store | None = None
+        self.group_rank: int | None = None
+        self.group_world_size: int | None = None
+        self.master_addr: str | None = None
+        self.master_port: int | None = None
+        self.state = WorkerState.INIT
+
+
+@dataclass
+class RunResult:
+    """How a run ended (torch's ``RunResult``); every dict is keyed by global rank.
+
+    Attributes:
+        state: ``SUCCEEDED`` or ``FAILED``.
+        return_values: each local function worker's return value on success (``None`` for
+            binaries).
+        failures: on failure, the workers of the last attempt that failed by themselves.
+    """
+
+    state: WorkerState
+    return_values: dict[int, Any] = field(default_factory=dict)
+    failures: dict[int, ProcessFailure] = field(default_factory=dict)
+
+    def is_failed(self) -> bool:
+        """Whether the run failed."""
+        return self.state == WorkerState.FAILED
+
+
+def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
+    if not isinstance(value, str):
+        raise TypeError(
+            f"signals_to_handle must be a str like {DEFAULT_SIGNALS_TO_HANDLE!r}, got {value!r}"
+        )
+    found = []
+    for name in filter(None, (part.strip() for part in value.split(","))):
+        sig = getattr(signal, name, None) if name.startswith("SIG") else None
+        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ValueError(
+                f"signals_to_handle={value!r}: {name!r} is not a catchable signal name; "
+                f"use names such as {DEFAULT_SIGNALS_TO_HANDLE!r}, or '' for none"
+            )
+        if sig not in found:
+            found.append(sig)
+    return tuple(found)
+
+
+def _substitute_local_rank(args: tuple[Any, ...], local_rank: int) -> tuple[Any, ...]:
+    return tuple(
+        string.Template(a).safe_substitute({_LOCAL_RANK_MACRO: str(local_rank)})
+        if isinstance(a, str)
+        else a
+        for a in args
+    )
+
+
+@dataclass(frozen=True)
+class _MembershipChange:
+    nodes_waiting: int
+
+
+class LocalElasticAgent:
+    """Runs this node's workers through rendezvous, failures and membership changes.
+
+    Example::
+
+        spec = WorkerSpec(role="trainer", local_world_size=4, entrypoint=train,
+                          args=("--epochs", "3"), max_restarts=3)
+        agent = LocalElasticAgent(spec, start_method="forkserver", log_dir="/tmp/run1")
+        result = await agent.run()
+        if result.is_failed():
+            ...  # result.failures: {global_rank: ProcessFailure}
+
+    Args:
+        spec: what to run.
+        start_method: ``spawn``, ``fork`` or ``forkserver`` for function workers.
+        log_dir: root of the logs; attempt ``n`` writes
+            ``{log_dir}/attempt_{n}/{local_rank}/{stdout.log,stderr.log,error.json}``. A
+            fresh temporary directory when None (see `log_dir`). Must hold no attempt yet.
+        redirects: streams written to log files (`Std`, or per local rank).
+        tee: streams also shown on the console with a ``[{role}{local_rank}]:`` prefix.
+        shutdown_timeout: grace period, seconds, between SIGTERM and SIGKILL when the
+            agent stops its workers.
+        exit_barrier_timeout: after its workers succeeded, how long the agent waits for
+            the other nodes to finish theirs (torch's barrier; torch hard-codes 300 s
+            for torchrun).
+        log_line_prefix_template: the console prefix as a template with ``${role_name}``,
+            ``${rank}``, ``${local_rank}``, ``${hostname}``.
+        local_ranks_filter: local ranks whose console output is shown (all when None).
+        forkserver_preload: modules the fork server imports once; restarts reuse the warm
+            server, so a restart costs a fork instead of a fresh interpreter.
+        signals_to_handle: signals that stop the run, as torch names them
+            (``"SIGTERM,SIGINT,SIGHUP,SIGQUIT"``); ``""`` handles none (a host program
+            that handles signals itself; cancel ``run()`` instead). ``None``: torch's
+            ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from the environment, else that default.
+            When given it is also exported to workers, as torchrun does. On the first
+            signal the workers get SIGTERM and the grace period; a second one SIGKILLs
+            them at once; ``run()`` then raises `SignalReceived` (``exit_code`` is
+            ``128 + N``). Handlers are installed only while ``run()`` runs, only on the
+            main thread, and the previous ones are restored.
+
+    Raises:
+        ValueError, TypeError: on misuse, naming the bad value.
+    """
+
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        start_method: str = "spawn",
+        log_dir: str | os.PathLike[str] | None = None,
+        redirects: Std | Mapping[int, Std] = Std.NONE,
+        tee: Std | Mapping[int, Std] = Std.NONE,
+        shutdown_timeout: float = 30.0,
+        *,
+        exit_barrier_timeout: float = 300.0,
+        log_line_prefix_template: str | None = None,
+        local_ranks_filter: Collection[int] | None = None,
+        forkserver_preload: Collection[str] = (),
+        signals_to_handle: str | None = None,
+        _event_hub: EventHub | None = None,
+    ) -> None:
+        if not isinstance(spec, WorkerSpec):
+            raise TypeError(f"spec must be an aioelastic WorkerSpec, got {type(spec).__name__}")
+        if start_method not in START_METHODS:
+            raise ValueError(
+                f"start_method={start_method!r} is not supported; use one of "
+                f"{', '.join(map(repr, START_METHODS))}"
+            )
+        for name, value in (
+            ("shutdown_timeout", shutdown_timeout),
+            ("exit_barrier_timeout", exit_barrier_timeout),
+        ):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
+        # Checked now, not after a rendezvous that peers would then wait on in vain.
+        self._redirects = to_map(redirects, spec.local_world_size)
+        self._tee = to_map(tee, spec.local_world_size)
+        if isinstance(forkserver_preload, str):
+            raise TypeError(
+                f"forkserver_preload must be a collection of module names, got "
+                f"{forkserver_preload!r}; wrap one name in a tuple: ({forkserver_preload!r},)"
+            )
+        self._explicit_signals = signals_to_handle
+        if signals_to_handle is None:
+            signals_to_handle = os.environ.get(
+                "TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_SIGNALS_TO_HANDLE
+            )
+        self._signals = _parse_signals(signals_to_handle)
+        self._spec = spec
+        self._start_method = start_method
+        self._log_dir_arg = None if log_dir is None else Path(log_dir)
+        self._shutdown_timeout = float(shutdown_timeout)
+        self._exit_barrier_timeout = float(exit_barrier_timeout)
+        self._log_line_prefix_template = log_line_prefix_template
+        self._local_ranks_filter = local_ranks_filter
+        self._forkserver_preload = tuple(forkserver_preload)
+        self._group = WorkerGroup(spec)
+        # elastic_launch hands in its own hub: its subscribers exist before the agent does.
+        self._hub = EventHub() if _event_hub is None else _event_hub
+        self._log_root: Path | None = None
+        self._ctx: PContext | None = None
+        self._signal_scope: SignalScope | None = None
+        self._started = False
+        self._remaining_restarts = spec.max_restarts
+        self._restart_count = 0
+        self._attempt = 0
+        self._run_id = ""
+
+    # -- public surface ----------------------------------------------------------------
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        """The worker group (a live object: its state and workers change as the run goes)."""
+        return self._group
+
+    def events(self) -> EventStream:
+        """Subscribe to this agent's lifecycle events (see `aioelastic._events`).
+
+        Call it before ``run()`` to see every event; the iteration ends after the run's
+        last event. Each call makes an independent subscriber.
+        """
+        return self._hub.subscribe()
+
+    @property
+    def log_dir(self) -> Path | None:
+        """The log root in use: ``log_dir``, or the temporary one made by ``run()``."""
+        return self._log_root
+
+    async def run(self, role: str = DEFAULT_ROLE) -> RunResult:
+        """Run the workers until they succeed, or fail with no restart left.
+
+        Args:
+            role: accepted for torch compatibility; the spec's role is used.
+
+        Returns:
+            `RunResult`: ``SUCCEEDED`` with return values, or ``FAILED`` with failures,
+            keyed by global rank.
+
+        Raises:
+            SignalReceived: a handled signal stopped the run (workers already stopped);
+                ``exit_code`` is ``128 + N``.
+            RendezvousError: torch's, when a rendezvous fails (timeout, closed).
+            RuntimeError: ``run()`` was already called on this agent.
+        """
+        if self._started:
+            raise RuntimeError("this agent already ran; make a new LocalElasticAgent")
+        self._started = True
+        try:
+            self._prepare_log_root()
+            async with AsyncExitStack() as stack:
+                rdzv = await self._open_rendezvous()
+                stack.push_async_callback(rdzv.aclose)
+                self._run_id = rdzv.run_id
+                if not self._signals:
+                    return await self._invoke_run(rdzv)
+                scope = await stack.enter_async_context(handle_signals(self._signals))
+                self._signal_scope = scope
+                await stack.enter_async_context(scope.escalate(self._kill_now))
+                return await scope.run_until_signal(self._invoke_run(rdzv))
+        except SignalReceived as e:
+            self._group.state = WorkerState.STOPPED
+            self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal.Signals(e.signum).name)
+            raise
+        except anyio.get_cancelled_exc_class():
+            self._group.state = WorkerState.STOPPED
+            self._emit(RunFailed, reason=FailureReason.CANCELLED)
+            raise
+        except Exception as e:
+            self._group.state = WorkerState.UNKNOWN
+            self._emit(RunFailed, reason=FailureReason.ERROR, detail=f"{type(e).__name__}: {e}")
+            raise
+        finally:
+            self._signal_scope = None
+            self._group.store = None
+            self._hub.close()
+
+    # -- the run -----------------------------------------------------------------------
+
+    def _prepare_log_root(self) -> None:
+        if self._log_dir_arg is None:
+            self._log_root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{self._spec.role}_"))
+            logger.info("agent logs are in %s", self._log_root)
+            return
+        root = self._log_dir_arg
+        if root.exists() and not root.is_dir():
+            raise ValueError(f"log_dir={str(root)!r} is a file; give a directory")
+        if root.is_dir():
+            taken = sorted(p.name for p in root.iterdir() if p.name.startswith("attempt_"))
+            if taken:
+                raise ValueError(
+                    f"log_dir={str(root)!r} already holds {taken[0]} of an earlier run; an "
+                    "agent never overwrites logs: give each run a new log_dir"
+                )
+        root.mkdir(parents=True, exist_ok=True)
+        self._log_root = root
+
+    async def _open_rendezvous(self) -> Rendezvous:
+        spec = self._spec
+        if spec.rdzv_handler is not None:
+            return Rendezvous(spec.rdzv_handler, local_addr=spec.local_addr)
+        if spec.master_port is not None:
+            # torchrun with --master-port and one node: a static rendezvous there.
+            handler = await create_rdzv_handler(
+                "static",
+                f"{spec.master_addr or '127.0.0.1'}:{spec.master_port}",
+                "none",
+                1,
+                1,
+                local_addr=spec.local_addr,
+                rank=0,
+            )
+        else:
+            handler = await standalone_handler(spec.local_addr)
+        return Rendezvous(handler, owned=True, local_addr=spec.local_addr)
+
+    async def _invoke_run(self, rdzv: Rendezvous) -> RunResult:
+        spec = self._spec
+        group = self._group
+        while True:
+            await self._rendezvous(rdzv)
+            outcome = await self._run_attempt(rdzv)
+            if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
+                group.state = WorkerState.SUCCEEDED
+                await rdzv.exit_barrier(self._exit_barrier_timeout)
+                values = {
+                    group.workers[lr].global_rank: v for lr, v in outcome.return_values.items()
+                }
+                self._emit(RunSucceeded, global_ranks=tuple(sorted(values)))
+                return RunResult(WorkerState.SUCCEEDED, return_values=values)
+            delay = 0.0
+            if isinstance(outcome, _MembershipChange):
+                reason = StopReason.MEMBERSHIP_CHANGE
+            else:
+                reason = StopReason.WORKER_FAILED
+                failures = {group.workers[lr].global_rank: f for lr, f in outcome.failures.items()}
+                fatal = [f for f in failures.values() if f.exitcode in spec.no_retry_exit_codes]
+                if fatal or self._remaining_restarts == 0:
+                    group.state = WorkerState.FAILED
+                    why = (
+                        FailureReason.NO_RETRY_EXIT_CODE
+                        if fatal
+                        else FailureReason.RESTARTS_EXHAUSTED
+                    )
+                    detail = (
+                        f"exit code {fatal[0].exitcode} is in no_retry_exit_codes"
+                        if fatal
+                        else f"max_restarts={spec.max_restarts} used up"
+                    )
+                    self._emit(RunFailed, reason=why, failures=failures, detail=detail)
+                    return RunResult(WorkerState.FAILED, failures=failures)
+                self._remaining_restarts -= 1
+                self._restart_count += 1
+                if spec.restart_backoff is not None:
+                    delay = spec.restart_backoff.delay(self._restart_count)
+            self._attempt += 1
+            self._emit(
+                GroupRestarting,
+                reason=reason,
+                delay=delay,
+                restarts_left=self._remaining_restarts,
+            )
+            if delay > 0:
+                await anyio.sleep(delay)
+
+    async def _rendezvous(self, rdzv: Rendezvous) -> RendezvousOutcome:
+        spec = self._spec
+        group = self._group
+        outcome = await rdzv.next_rendezvous(
+            spec.role,
+            spec.local_world_size,
+            master_addr=spec.master_addr,
+            master_port=spec.master_port,
+        )
+        group.store = outcome.store
+        group.group_rank = outcome.group_rank
+        group.group_world_size = outcome.group_world_size
+        group.master_addr = outcome.master_addr
+        group.master_port = outcome.master_port
+        group.workers = [
+            Worker(
+                local_rank=lr,
+                global_rank=outcome.base_global_rank + lr,
+                role_rank=outcome.base_role_rank + lr,
+                world_size=outcome.world_size,
+                role_world_size=outcome.role_world_size,
+            )
+            for lr in range(spec.local_world_size)
+        ]
+        self._emit(
+            RendezvousCompleted,
+            group_rank=outcome.group_rank,
+            group_world_size=outcome.group_world_size,
+            world_size=outcome.world_size,
+            master_addr=outcome.master_addr,
+            master_port=outcome.master_port,
+            global_ranks=tuple(w.global_rank for w in group.workers),
+        )
+        return outcome
+
+    async def _run_attempt(self, rdzv: Rendezvous) -> RunProcsResult | _MembershipChange:
+        spec = self._spec
+        group = self._group
+        assert self._log_root is not None
+        envs = {
+            w.local_rank: worker_env(
+                group,
+                w,
+                restart_count=self._restart_count,
+                run_id=rdzv.run_id,
+                use_agent_store=rdzv.use_agent_store,
+                signals_to_handle=self._explicit_signals,
+            )
+            for w in group.workers
+        }
+        ctx = start_processes(
+            name=spec.role,
+            entrypoint=spec.entrypoint,
+            args={
+                w.local_rank: _substitute_local_rank(spec.args, w.local_rank) for w in group.workers
+            },
+            envs=envs,
+            log_dir=self._log_root / f"attempt_{self._attempt}",
+            start_method=self._start_method,
+            redirects=self._redirects,
+            tee=self._tee,
+            grace_period=self._shutdown_timeout,
+            forkserver_preload=self._forkserver_preload,
+            local_ranks_filter=self._local_ranks_filter,
+            log_line_prefix=self._log_line_prefix_template,
+        )
+        self._ctx = ctx
+        try:
+            async with ctx:
+                for lr, pid in ctx.pids().items():
+                    group.workers[lr].id = pid
+                group.state = WorkerState.HEALTHY
+                self._emit(
+                    WorkersStarted,
+                    pids={group.workers[lr].global_rank: p for lr, p in ctx.pids().items()},
+                )
+                try:
+                    outcome = await self._watch(ctx, rdzv)
+                except BaseException as e:
+                    self._emit(GroupStopping, **self._interruption(e))
+                    raise
+                if isinstance(outcome, _MembershipChange):
+                    self._emit(
+                        GroupStopping,
+                        reason=StopReason.MEMBERSHIP_CHANGE,
+                        detail=f"{outcome.nodes_waiting} node(s) waiting to join",
+                    )
+                elif outcome.is_failed():
+                    for lr, failure in sorted(
+                        outcome.failures.items(), key=lambda i: i[1].timestamp
+                    ):
+                        self._emit_failure(lr, failure)
+                    self._emit(GroupStopping, reason=StopReason.WORKER_FAILED)
+                await ctx.close()
+                if isinstance(outcome, _MembershipChange) or outcome.is_failed():
+                    group.state = WorkerState.STOPPED
+                return outcome
+        finally:
+            self._ctx = None
+            for worker in group.workers:
+                worker.id = None
+
+    async def _watch(self, ctx: PContext, rdzv: Rendezvous) -> RunProcsResult | _MembershipChange:
+        """The group's outcome, or a membership change, whichever comes first."""
+        outcome: RunProcsResult | _MembershipChange | None = None
+
+        async with anyio.create_task_group() as tg:
+
+            async def workers_done() -> None:
+                nonlocal outcome
+                outcome = await ctx.wait()
+                tg.cancel_scope.cancel()
+
+            async def nodes_waiting() -> None:
+                nonlocal outcome
+                while True:
+                    await anyio.sleep(self._spec.monitor_interval)
+                    try:
+                        waiting = await rdzv.num_nodes_waiting()
+                    except Exception as e:
+                        # The workers may well finish without the rendezvous store; a dead
+                        # store fails the next rendezvous loudly enough.
+                        logger.warning(
+                            "cannot check for waiting nodes: %s: %s", type(e).__name__, e
+                        )
+                        continue
+                    if waiting > 0 and outcome is None:
+                        outcome = _MembershipChange(waiting)
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(workers_done)
+            if rdzv.membership_can_change:
+                tg.start_soon(nodes_waiting)
+        assert outcome is not None
+        return outcome
+
+    # -- helpers -----------------------------------------------------------------------
+
+    async def _kill_now(self, sig: signal.Signals) -> None:
+        """A second signal: skip the rest of the grace period."""
+        ctx = self._ctx
+        if ctx is not None:
+            logger.warning("second %s: killing the workers now", sig.name)
+            await ctx.close(death_sig=signal.SIGKILL)
+
+    def _interruption(self, error: BaseException) -> dict[str, Any]:
+        scope = self._signal_scope
+        if scope is not None and scope.first is not None:
+            return {"reason": StopReason.SIGNAL, "detail": scope.first.name}
+        if isinstance(error, anyio.get_cancelled_exc_class()):
+            return {"reason": StopReason.CANCELLED}
+        return {"reason": StopReason.ERROR, "detail": f"{type(error).__name__}: {error}"}
+
+    def _emit_failure(self, local_rank: int, failure: ProcessFailure) -> None:
+        signal_name = failure.signal_name() if failure.exitcode < 0 else None
+        self._hub.emit(
+            WorkerFailed(
+                timestamp=failure.timestamp,
+                role=self._spec.role,
+                run_id=self._run_id,
+                attempt=self._attempt,
+                restart_count=self._restart_count,
+                global_rank=self._group.workers[local_rank].global_rank,
+                local_rank=local_rank,
+                pid=failure.pid,
+                exitcode=failure.exitcode,
+                signal=signal_name,
+                message=failure.message,
+                failure=failure,
+            )
+        )
+
+    def _emit(self, kind: type[AgentEvent], **fields: Any) -> None:
+        self._hub.emit(
+            kind(
+                timestamp=time.time(),
+                role=self._spec.role,
+                run_id=self._run_id,
+                attempt=self._attempt,
+                restart_count=self._restart_count,
+                **fields,
+            )
+        )

@@ -1,0 +1,295 @@
+"""``elastic_launch``: torch's launcher API (``torch.distributed.launcher.api``), awaited.
+
+::
+
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=4, max_restarts=2)
+    outputs = await elastic_launch(config, train)(arg1, arg2)   # {global_rank: value}
+    await elastic_launch(config, sys.executable)("-u", "train.py", "--epochs", "3")
+
+This is what torchrun does after parsing its flags: build the rendezvous handler from the
+config (through torch's registry), run one `LocalElasticAgent`, shut the rendezvous down,
+and turn a failed run into `ChildFailedError`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from ._agent import DEFAULT_SIGNALS_TO_HANDLE, LocalElasticAgent, RestartBackoff, WorkerSpec
+from ._errors import ChildFailedError
+from ._events import EventHub, EventStream
+from ._rendezvous import Rendezvous, create_rdzv_handler, parse_endpoint
+from ._signals import SignalReceived
+from ._std import Std
+
+__all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
+
+_DEFAULT_RDZV_TIMEOUT = 900
+
+
+@dataclass
+class LaunchConfig:
+    """How to launch: torch's ``LaunchConfig`` fields, plus aioelastic's extras.
+
+    torch's fields keep their names, order and meaning. Differences: ``rdzv_backend``
+    defaults to ``"c10d"`` (torch's ``"etcd"`` needs an etcd server), and with no
+    ``rdzv_endpoint`` and one node the launch is torchrun's ``--standalone`` (``c10d`` on
+    ``localhost:0``, a fresh run id). Logs are configured by ``log_dir``, ``redirects``,
+    ``tee`` and ``local_ranks_filter`` instead of a torch ``LogsSpecs`` object. Fields
+    aioelastic does not implement (``logs_specs``, ``metrics_cfg``, ``event_log_handler``,
+    ``numa_options``, ``duplicate_*_filters``) are accepted only at their defaults, so a
+    config that relies on them fails loudly instead of being half-applied.
+
+    Attributes:
+        min_nodes: fewest nodes to start with.
+        max_nodes: most nodes admitted (``--nnodes min:max``).
+        nproc_per_node: workers on this node.
+        logs_specs: must be None (see ``log_dir``...).
+        run_id: the job id shared by all nodes; generated when empty.
+        role: the workers' role (``ROLE_NAME``).
+        rdzv_endpoint: ``host[:port]`` of the rendezvous store.
+        rdzv_backend: ``"c10d"`` or ``"static"`` (or any torch-registered backend).
+        rdzv_configs: backend options (``--rdzv-conf``), e.g. ``join_timeout``,
+            ``last_call_timeout``, ``close_timeout``; for ``static`` ``rank``.
+        rdzv_timeout: legacy; sets ``rdzv_configs["timeout"]`` (default 900).
+        max_restarts: failure restarts allowed.
+        monitor_interval: seconds between checks for nodes waiting to join.
+        start_method: ``spawn``, ``fork`` or ``forkserver`` (function workers).
+        log_line_prefix_template: console prefix template (``${role_name}``, ``${rank}``,
+            ``${local_rank}``, ``${hostname}``).
+        metrics_cfg: must be empty.
+        local_addr: this node's address as peers see it.
+        event_log_handler: must be ``"null"``; lifecycle events come from
+            `elastic_launch.events`.
+        numa_options: must be None.
+        signals_to_handle: signals that stop the run (exported to workers as
+            ``TORCHELASTIC_SIGNALS_TO_HANDLE``, as torchrun does).
+        duplicate_stdout_filters: must be None.
+        duplicate_stderr_filters: must be None.
+        virtual_local_rank: ``LOCAL_RANK=0`` and one ``CUDA_VISIBLE_DEVICES`` per worker.
+        shutdown_timeout: grace period before SIGKILL, seconds (default:
+            ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30).
+        log_dir: log root; attempt ``n`` goes to ``{log_dir}/attempt_{n}/{local_rank}/``.
+        redirects: streams written to log files (`Std` or per local rank).
+        tee: streams also shown on the console.
+        local_ranks_filter: local ranks whose console output is shown.
+        forkserver_preload: modules the fork server imports once (``forkserver``).
+        exit_barrier_timeout: how long a finished node waits for the others (torch
+            hard-codes 300 s).
+        restart_backoff: wait between failure restarts (`RestartBackoff`).
+        no_retry_exit_codes: exit codes that fail the run at once.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    logs_specs: None = None
+    run_id: str = ""
+    role: str = "default_role"
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "c10d"
+    rdzv_configs: dict[str, Any] = field(default_factory=dict)
+    rdzv_timeout: int = -1
+    max_restarts: int = 3
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    log_line_prefix_template: str | None = None
+    metrics_cfg: dict[str, str] = field(default_factory=dict)
+    local_addr: str | None = None
+    event_log_handler: str = "null"
+    numa_options: None = None
+    signals_to_handle: str = DEFAULT_SIGNALS_TO_HANDLE
+    duplicate_stdout_filters: list[str] | None = None
+    duplicate_stderr_filters: list[str] | None = None
+    virtual_local_rank: bool = False
+    shutdown_timeout: float | None = None
+    log_dir: str | os.PathLike[str] | None = None
+    redirects: Std | Mapping[int, Std] = Std.NONE
+    tee: Std | Mapping[int, Std] = Std.NONE
+    local_ranks_filter: Collection[int] | None = None
+    forkserver_preload: Collection[str] = ()
+    exit_barrier_timeout: float = 300.0
+    restart_backoff: RestartBackoff | None = None
+    no_retry_exit_codes: Collection[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        for name in ("min_nodes", "max_nodes", "nproc_per_node"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(
+                f"min_nodes ({self.min_nodes}) must be <= max_nodes ({self.max_nodes})"
+            )
+        unsupported = {
+            "logs_specs": (self.logs_specs is not None, "use log_dir, redirects, tee"),
+            "metrics_cfg": (bool(self.metrics_cfg), "aioelastic records no torch metrics"),
+            "event_log_handler": (
+                self.event_log_handler != "null",
+                "subscribe to elastic_launch(...).events() instead",
+            ),
+            "numa_options": (self.numa_options is not None, "bind inside the worker"),
+            "duplicate_stdout_filters": (self.duplicate_stdout_filters is not None, ""),
+            "duplicate_stderr_filters": (self.duplicate_stderr_filters is not None, ""),
+        }
+        for name, (used, hint) in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"LaunchConfig.{name}={getattr(self, name)!r} is not supported by "
+                    f"aioelastic{'; ' + hint if hint else ''}"
+                )
+        # Copied, not updated in place: the caller's dict may be shared between configs.
+        self.rdzv_configs = dict(self.rdzv_configs)
+        if self.rdzv_timeout != -1:
+            self.rdzv_configs["timeout"] = self.rdzv_timeout
+        elif "timeout" not in self.rdzv_configs:
+            self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
+        if self.shutdown_timeout is None:
+            self.shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
+        elif self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
+            raise ValueError(
+                f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
+            )
+        if not self.rdzv_endpoint.strip() and self.rdzv_backend != "c10d":
+            raise ValueError(f"rdzv_backend={self.rdzv_backend!r} needs rdzv_endpoint='host:port'")
+        if not self.rdzv_endpoint.strip() and self.max_nodes > 1:
+            raise ValueError(
+                f"max_nodes={self.max_nodes} needs rdzv_endpoint='host:port' where every "
+                "node finds the rendezvous store"
+            )
+
+
+def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
+    """torch's rule: a function's name; for ``python`` the script; else the binary."""
+    if isinstance(entrypoint, str):
+        if entrypoint == sys.executable:
+            return next((str(a) for a in args if not str(a).startswith("-")), "")
+        return entrypoint
+    return str(getattr(entrypoint, "__name__", repr(entrypoint)))
+
+
+class elastic_launch:  # torch's lower-case name, so that a port is a one-line change
+    """Launch an agent on this node for ``entrypoint``; awaiting the call runs it.
+
+    Args:
+        config: the `LaunchConfig`.
+        entrypoint: a picklable function, or a binary (``sys.executable`` for scripts).
+
+    Example::
+
+        outputs = await elastic_launch(config, train)(lr, epochs)
+        outputs[0]  # global rank 0's return value
+    """
+
+    def __init__(self, config: LaunchConfig, entrypoint: Callable[..., Any] | str) -> None:
+        if not isinstance(config, LaunchConfig):
+            raise TypeError(f"config must be a LaunchConfig, got {type(config).__name__}")
+        if not (isinstance(entrypoint, str) and entrypoint) and not callable(entrypoint):
+            raise TypeError(f"entrypoint must be a function or a binary's path, got {entrypoint!r}")
+        self._config = config
+        self._entrypoint = entrypoint
+        self._hub = EventHub()
+
+    def events(self) -> EventStream:
+        """Subscribe to the agent's lifecycle events (call before awaiting the launch)."""
+        return self._hub.subscribe()
+
+    async def __call__(self, *args: Any) -> dict[int, Any]:
+        """Run the agent with ``args`` for every worker.
+
+        Returns:
+            ``{global_rank: return value}`` for this node's workers (``None`` for binaries).
+
+        Raises:
+            ChildFailedError: the run failed; failures keyed by global rank.
+            SignalReceived: a handled signal stopped it (``exit_code`` is ``128 + N``).
+            RendezvousError: torch's, when the rendezvous fails.
+        """
+        return await launch_agent(self._config, self._entrypoint, list(args), _hub=self._hub)
+
+
+async def launch_agent(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+    *,
+    _hub: EventHub | None = None,
+) -> dict[int, Any]:
+    """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
+    run_id = config.run_id or str(uuid.uuid4().int)
+    endpoint = config.rdzv_endpoint.strip()
+    rdzv_configs = dict(config.rdzv_configs)
+    master_addr: str | None = None
+    master_port: int | None = None
+    if not endpoint:
+        # torchrun's --standalone: a store on a free local port, a run id of its own.
+        endpoint = "localhost:0"
+        run_id = config.run_id or str(uuid.uuid4())
+    if config.rdzv_backend == "static":
+        master_addr, master_port = parse_endpoint(endpoint, -1)
+        if master_port == -1:
+            raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
+    handler = await create_rdzv_handler(
+        config.rdzv_backend,
+        endpoint,
+        run_id,
+        config.min_nodes,
+        config.max_nodes,
+        local_addr=config.local_addr,
+        **rdzv_configs,
+    )
+    shutdown_rdzv = True
+    try:
+        spec = WorkerSpec(
+            role=config.role,
+            local_world_size=config.nproc_per_node,
+            entrypoint=entrypoint,
+            args=tuple(args),
+            rdzv_handler=handler,
+            max_restarts=config.max_restarts,
+            monitor_interval=config.monitor_interval,
+            master_addr=master_addr,
+            master_port=master_port,
+            local_addr=config.local_addr,
+            virtual_local_rank=config.virtual_local_rank,
+            restart_backoff=config.restart_backoff,
+            no_retry_exit_codes=config.no_retry_exit_codes,
+        )
+        assert config.shutdown_timeout is not None
+        agent = LocalElasticAgent(
+            spec,
+            config.start_method,
+            config.log_dir,
+            config.redirects,
+            config.tee,
+            config.shutdown_timeout,
+            exit_barrier_timeout=config.exit_barrier_timeout,
+            log_line_prefix_template=config.log_line_prefix_template,
+            local_ranks_filter=config.local_ranks_filter,
+            forkserver_preload=config.forkserver_preload,
+            signals_to_handle=config.signals_to_handle,
+            _event_hub=_hub,
+        )
+        result = await agent.run()
+        if result.is_failed():
+            raise ChildFailedError(
+                name=_entrypoint_name(entrypoint, args), failures=result.failures
+            )
+        return result.return_values
+    except (SignalReceived, anyio.get_cancelled_exc_class()):
+        # As torch: a node stopped from outside leaves the rendezvous open, so that the
+        # job can go on with the other nodes (and a join may still be in flight).
+        shutdown_rdzv = False
+        raise
+    finally:
+        if shutdown_rdzv:
+            await Rendezvous(handler, owned=True).aclose()
