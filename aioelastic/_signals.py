@@ -320,9 +320,7 @@ class _LoopSignals:
             # add_signal_handler raises RuntimeError off the main thread and
             # NotImplementedError on loops without signal support; it fails for the first
             # signal already, so in practice nothing was installed. Undo what was.
-            for sig in scope.signals:
-                if sig in self._installed and scope in self._installed[sig].scopes:
-                    self._release(sig, scope)
+            self.detach(scope)
             warnings.warn(
                 f"aioelastic: cannot handle signals here ({type(e).__name__}: {e}); "
                 f"{', '.join(_signal_name(s) for s in sorted(scope.signals))} stay with the "

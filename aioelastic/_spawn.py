@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._errors import ChildFailedError, ProcessFailure, _exit_description
+from ._errors import ChildFailedError, ProcessFailure, _exit_description, _traceback_text
 from ._pcontext import run_processes
 
 __all__ = [
@@ -158,10 +158,11 @@ async def spawn(
 
 
 def _exception_for(index: int, failure: ProcessFailure) -> ProcessException:
-    traceback = _raised_traceback(failure)
-    if traceback is not None:
+    # An error file exists only when the worker raised (torch's test too).
+    if failure.error_file_data:
         return ProcessRaisedException(
-            f"\n\n-- Process {index:d} terminated with the following error:\n{traceback}",
+            f"\n\n-- Process {index:d} terminated with the following error:\n"
+            f"{_traceback_text(failure)}",
             index,
             failure.pid,
         )
@@ -191,17 +192,3 @@ def _stderr_tail(failure: ProcessFailure) -> str:
     if not detail.strip() or detail == _exit_description(failure.exitcode):
         return ""
     return f"; its last lines on stderr:\n{detail}"
-
-
-def _raised_traceback(failure: ProcessFailure) -> str | None:
-    """The traceback from the worker's error file, None when it wrote no error file."""
-    raw = failure.error_file_data.get("message")
-    if isinstance(raw, dict):
-        extra = raw.get("extraInfo")
-        if isinstance(extra, dict) and isinstance(extra.get("py_callstack"), str):
-            return str(extra["py_callstack"])
-        if isinstance(raw.get("message"), str):
-            return str(raw["message"])
-    elif isinstance(raw, str):
-        return raw
-    return None
