@@ -41,7 +41,7 @@ from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_c
 from ._std import Std
 from ._subreaper import enable_subreaper
 
-__all__ = ["exit_code_for", "main", "run", "run_script_path"]
+__all__ = ["exit_code_for", "launch_config", "main", "run", "run_script_path"]
 
 logger = logging.getLogger("aioelastic.run")
 
@@ -76,7 +76,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # The launcher owns its supervision: a descendant of a worker that left the worker's
     # process group is re-parented to us instead of init, and swept at each teardown.
     enable_subreaper()
-    return anyio.run(_launch, plan, args.training_script)
+    return anyio.run(_launch, plan)
 
 
 def exit_code_for(failure: ProcessFailure) -> int:
@@ -113,14 +113,21 @@ def _configure_logging() -> None:
         root.setLevel(logging.WARNING)
 
 
-async def _launch(plan: LaunchPlan, name: str) -> int:
+async def _launch(plan: LaunchPlan) -> int:
+    from ._elastic_launch import elastic_launch
     from ._signals import SignalReceived
 
     job_dir, temporary = _job_log_dir(plan)
     try:
-        agent = await _make_agent(plan, job_dir)
+        config, entrypoint, args = launch_config(plan, job_dir)
         try:
-            result = await agent.run()
+            await elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as error:
+            print(error.format_msg(), file=sys.stderr, flush=True)
+            if os.environ.get(ERROR_FILE_ENV):
+                # Nested under another launcher: hand it our root cause, as torchrun's @record.
+                _record_child_failure(error)
+            return exit_code_for(error.get_first_failure()[1])
         except SignalReceived as e:
             sig = signal.Signals(e.signum)
             print(f"{PROG}: stopped by {sig.name}; workers stopped", file=sys.stderr)
@@ -128,17 +135,69 @@ async def _launch(plan: LaunchPlan, name: str) -> int:
         except Exception as e:
             _report_launcher_error(e)
             return 1
-        if not result.is_failed():
-            return 0
-        error = ChildFailedError(name, dict(result.failures))
-        print(error.format_msg(), file=sys.stderr, flush=True)
-        if os.environ.get(ERROR_FILE_ENV):
-            # Nested under another launcher: hand it our root cause, as torchrun's @record.
-            _record_child_failure(error)
-        return exit_code_for(error.get_first_failure()[1])
+        return 0
     finally:
         if temporary and not _holds_files(job_dir):
             shutil.rmtree(job_dir, ignore_errors=True)
+
+
+def launch_config(plan: LaunchPlan, log_dir: str) -> tuple[Any, Any, tuple[str, ...]]:
+    """The `LaunchConfig`, entrypoint and arguments that run ``plan``.
+
+    Args:
+        plan: the checked command line.
+        log_dir: this run's log directory.
+
+    Returns:
+        ``(config, entrypoint, args)`` for ``elastic_launch(config, entrypoint)(*args)``.
+    """
+    from ._agent import RestartBackoff
+    from ._elastic_launch import LaunchConfig
+
+    rdzv_configs = dict(plan.rdzv_configs)
+    if plan.single_node and plan.master_port is None:
+        # No endpoint and one node: the launch API's standalone rendezvous.
+        backend, endpoint = "c10d", ""
+        rdzv_configs.pop("rank", None)
+    elif plan.single_node:
+        backend, endpoint = "static", f"{plan.master_addr}:{plan.master_port}"
+    else:
+        backend, endpoint = plan.rdzv_backend, plan.rdzv_endpoint
+    backoff = (
+        RestartBackoff(
+            initial=plan.restart_backoff,
+            maximum=max(plan.restart_backoff, plan.restart_backoff_max),
+        )
+        if plan.restart_backoff > 0
+        else None
+    )
+    config = LaunchConfig(
+        min_nodes=plan.min_nodes,
+        max_nodes=plan.max_nodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=plan.run_id,
+        role=plan.role,
+        rdzv_endpoint=endpoint,
+        rdzv_backend=backend,
+        rdzv_configs=rdzv_configs,
+        max_restarts=plan.max_restarts,
+        monitor_interval=plan.monitor_interval,
+        start_method=plan.start_method,
+        log_line_prefix_template=plan.log_line_prefix_template,
+        local_addr=plan.local_addr,
+        signals_to_handle=plan.signals_to_handle_text,
+        virtual_local_rank=plan.virtual_local_rank,
+        shutdown_timeout=plan.shutdown_timeout,
+        log_dir=log_dir,
+        redirects=plan.redirects,
+        tee=plan.tee,
+        local_ranks_filter=plan.local_ranks_filter,
+        restart_backoff=backoff,
+        no_retry_exit_codes=plan.no_retry_exit_codes,
+    )
+    if plan.run_path:
+        return config, run_script_path, (plan.entrypoint, *plan.args)
+    return config, plan.entrypoint, plan.args
 
 
 def _job_log_dir(plan: LaunchPlan) -> tuple[str, bool]:
@@ -165,68 +224,6 @@ def _redirects_anything(plan: LaunchPlan) -> bool:
     if isinstance(plan.redirects, Std):
         return bool(plan.redirects)
     return any(plan.redirects.values())
-
-
-async def _make_agent(plan: LaunchPlan, log_dir: str) -> Any:
-    """The elastic agent for ``plan``; torch is imported only for a real rendezvous."""
-    from ._agent import LocalElasticAgent, RestartBackoff, WorkerSpec
-
-    handler = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    if plan.single_node:
-        master_addr, master_port = plan.master_addr, plan.master_port
-    else:
-        from ._rendezvous import create_rdzv_handler
-
-        configs = {"timeout": 900, **plan.rdzv_configs}
-        handler = await create_rdzv_handler(
-            plan.rdzv_backend,
-            plan.rdzv_endpoint,
-            plan.run_id,
-            plan.min_nodes,
-            plan.max_nodes,
-            local_addr=plan.local_addr,
-            **configs,
-        )
-        if plan.rdzv_backend == "static":
-            master_addr, master_port = plan.master_addr, plan.master_port
-    entrypoint: Any = run_script_path if plan.run_path else plan.entrypoint
-    args = (plan.entrypoint, *plan.args) if plan.run_path else plan.args
-    backoff = (
-        RestartBackoff(
-            initial=plan.restart_backoff,
-            maximum=max(plan.restart_backoff, plan.restart_backoff_max),
-        )
-        if plan.restart_backoff > 0
-        else None
-    )
-    spec = WorkerSpec(
-        role=plan.role,
-        local_world_size=plan.nproc_per_node,
-        entrypoint=entrypoint,
-        args=tuple(args),
-        max_restarts=plan.max_restarts,
-        monitor_interval=plan.monitor_interval,
-        rdzv_handler=handler,
-        master_addr=master_addr,
-        master_port=master_port,
-        local_addr=plan.local_addr,
-        virtual_local_rank=plan.virtual_local_rank,
-        restart_backoff=backoff,
-        no_retry_exit_codes=plan.no_retry_exit_codes,
-    )
-    return LocalElasticAgent(
-        spec,
-        start_method=plan.start_method,
-        log_dir=log_dir,
-        redirects=plan.redirects,
-        tee=plan.tee,
-        shutdown_timeout=plan.shutdown_timeout,
-        log_line_prefix_template=plan.log_line_prefix_template,
-        local_ranks_filter=plan.local_ranks_filter,
-        signals_to_handle=plan.signals_to_handle_text,
-    )
 
 
 def _holds_files(directory: str) -> bool:
