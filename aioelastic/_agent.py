@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import signal
 import string
 import tempfile
@@ -61,7 +62,7 @@ from ._events import (
     WorkersStarted,
 )
 from ._pcontext import PContext, start_processes
-from ._rendezvous import Rendezvous, RendezvousOutcome, create_rdzv_handler, standalone_handler
+from ._rendezvous import Rendezvous, create_rdzv_handler, standalone_handler
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
 from ._std import Std, to_map
@@ -569,6 +570,7 @@ class LocalElasticAgent:
             self._signal_scope = None
             self._group.store = None
             self._hub.close()
+            self._drop_empty_temporary_logs()
 
     # -- the run -----------------------------------------------------------------------
 
@@ -589,6 +591,20 @@ class LocalElasticAgent:
                 )
         root.mkdir(parents=True, exist_ok=True)
         self._log_root = root
+
+    def _drop_empty_temporary_logs(self) -> None:
+        """Remove a temporary log root that received no file (nothing redirected or failed).
+
+        One that holds a log or an error file is the user's now and is kept, as torch keeps
+        its ``torchelastic_*`` directories.
+        """
+        root = self._log_root
+        if self._log_dir_arg is not None or root is None:
+            return
+        if any(files for _, _, files in os.walk(root)):
+            logger.info("agent logs kept in %s", root)
+            return
+        shutil.rmtree(root, ignore_errors=True)
 
     async def _open_rendezvous(self) -> Rendezvous:
         spec = self._spec
@@ -613,7 +629,11 @@ class LocalElasticAgent:
         spec = self._spec
         group = self._group
         while True:
-            await self._rendezvous(rdzv)
+            if not await self._rendezvous(rdzv):
+                # A spare node the job never needed: torch ends it quietly, and so do we.
+                group.state = WorkerState.SUCCEEDED
+                self._emit(RunSucceeded, global_ranks=())
+                return RunResult(WorkerState.SUCCEEDED)
             outcome = await self._run_attempt(rdzv)
             if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
                 group.state = WorkerState.SUCCEEDED
@@ -658,7 +678,8 @@ class LocalElasticAgent:
             if delay > 0:
                 await anyio.sleep(delay)
 
-    async def _rendezvous(self, rdzv: Rendezvous) -> RendezvousOutcome:
+    async def _rendezvous(self, rdzv: Rendezvous) -> bool:
+        """Join the next round and take its ranks; False when this node is not needed."""
         spec = self._spec
         group = self._group
         outcome = await rdzv.next_rendezvous(
@@ -667,6 +688,8 @@ class LocalElasticAgent:
             master_addr=spec.master_addr,
             master_port=spec.master_port,
         )
+        if outcome is None:
+            return False
         group.store = outcome.store
         group.group_rank = outcome.group_rank
         group.group_world_size = outcome.group_world_size
@@ -691,7 +714,7 @@ class LocalElasticAgent:
             master_port=outcome.master_port,
             global_ranks=tuple(w.global_rank for w in group.workers),
         )
-        return outcome
+        return True
 
     async def _run_attempt(self, rdzv: Rendezvous) -> RunProcsResult | _MembershipChange:
         spec = self._spec

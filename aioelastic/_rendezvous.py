@@ -309,7 +309,7 @@ class Rendezvous:
         *,
         master_addr: str | None = None,
         master_port: int | None = None,
-    ) -> RendezvousOutcome:
+    ) -> RendezvousOutcome | None:
         """Join the next round, then agree on worker ranks with the other nodes.
 
         Args:
@@ -319,15 +319,22 @@ class Rendezvous:
             master_port: overrides its port.
 
         Returns:
-            The round's outcome.
+            The round's outcome; None when torch says this node is not needed (it waited
+            as a spare beyond ``max_nodes`` and the job has finished: torch's
+            ``RendezvousGracefulExitError``, "not a failure").
 
         Raises:
-            RendezvousError: torch's (timeout, closed, connection); ``RendezvousGracefulExitError``
-                when this node was not needed and the rendezvous closed.
+            RendezvousError: torch's (timeout, closed, connection).
         """
 
-        def join() -> RendezvousOutcome:
-            info = self.handler.next_rendezvous()
+        def join() -> RendezvousOutcome | None:
+            from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+            try:
+                info = self.handler.next_rendezvous()
+            except RendezvousGracefulExitError as e:
+                logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
+                return None
             bootstrap = info.bootstrap_store_info
             addr = bootstrap.master_addr if bootstrap else None
             port = bootstrap.master_port if bootstrap else None
@@ -355,8 +362,10 @@ class Rendezvous:
                 role_world_size=role_world,
             )
 
-        self._last = await self._thread.call(join)
-        return self._last
+        outcome = await self._thread.call(join)
+        if outcome is not None:
+            self._last = outcome
+        return outcome
 
     async def num_nodes_waiting(self) -> int:
         """How many nodes wait to join (a scale-up, or a replacement for a lost node)."""

@@ -468,6 +468,21 @@ async def _cancel_when_ready(ready: ReadyChannel, scope: anyio.CancelScope) -> N
 
 
 @pytest.mark.asyncio
+async def test_a_spare_node_the_job_never_needed_ends_quietly() -> None:
+    from tests.test_rendezvous import _SpareNodeHandler
+
+    spec = WorkerSpec(
+        local_world_size=2, entrypoint=children.report, rdzv_handler=_SpareNodeHandler()
+    )
+    agent = LocalElasticAgent(spec, signals_to_handle="")
+    result, events = await run_collecting(agent)
+    assert (result.state, result.return_values, result.failures) == (WorkerState.SUCCEEDED, {}, {})
+    assert kinds(events) == ["run_succeeded"]
+    assert agent.log_dir is not None
+    assert not agent.log_dir.exists()  # an empty temporary log root is removed
+
+
+@pytest.mark.asyncio
 async def test_misuse_is_refused_before_anything_starts(tmp_path: Path) -> None:
     def spec(**kw: Any) -> WorkerSpec:
         return WorkerSpec(**{"local_world_size": 1, "entrypoint": children.report, **kw})
