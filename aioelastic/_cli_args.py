@@ -150,8 +150,8 @@ FLAGS: tuple[Flag, ...] = (
         ("--standalone",),
         None,
         False,
-        "Single-node job with a private rendezvous on a free port; the rendezvous flags "
-        "are ignored (as in torchrun) and the launcher does not import torch.",
+        "Single-node job with a private rendezvous on a free port and a fresh job id; the "
+        "rendezvous flags are ignored (as in torchrun).",
     ),
     # -- running the workers ----------------------------------------------------------
     Flag(_both("max-restarts"), int, 0, "Worker group restarts allowed before failing."),
@@ -159,7 +159,8 @@ FLAGS: tuple[Flag, ...] = (
         _both("monitor-interval"),
         float,
         0.1,
-        "Accepted for compatibility: exits are seen the moment they happen, never polled.",
+        "How often to check for nodes waiting to join; worker exits are acted on when the "
+        "kernel reports them, never polled.",
         metavar="SECONDS",
     ),
     Flag(
@@ -292,8 +293,8 @@ FLAGS: tuple[Flag, ...] = (
         _both("signals-to-handle"),
         str,
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        "Signals that stop the job: the signal is passed on to the workers, which get "
-        "--shutdown-timeout seconds before SIGKILL; a second signal kills at once.",
+        "Signals that stop the job: the workers get SIGTERM and --shutdown-timeout seconds "
+        "before SIGKILL; a second signal kills at once. Exit status 128+N for signal N.",
         metavar="SIG,...",
     ),
     Flag(

@@ -17,7 +17,6 @@ the workers:
   kills at once, and nothing outlives the launcher, not even when it is SIGKILLed (the
   core's watchdog kills the workers' process groups) or when a worker's child left its
   process group (the launcher is a subreaper, see `aioelastic.enable_subreaper`);
-* a single-node run does not import torch in the launcher;
 * a run without ``--log-dir`` leaves no temporary directory, unless it holds logs or
   error files the user asked for or needs.
 """
@@ -76,7 +75,13 @@ def run(argv: Sequence[str] | None = None) -> int:
     # The launcher owns its supervision: a descendant of a worker that left the worker's
     # process group is re-parented to us instead of init, and swept at each teardown.
     enable_subreaper()
-    return anyio.run(_launch, plan)
+    try:
+        return anyio.run(_launch, plan)
+    except KeyboardInterrupt:
+        # Ctrl-C before the agent handled signals (e.g. while connecting to the store):
+        # no worker runs yet, so there is nothing to stop.
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 def exit_code_for(failure: ProcessFailure) -> int:
