@@ -418,7 +418,7 @@ def test_three_quick_sigterms_leave_nothing_alive() -> None:
     # may see one, two or three of these: whichever, it must stop everything and exit 143
     # (torchrun exits at the second with its workers still running).
     with launcher(
-        "--nproc-per-node", "2", "--shutdown-timeout", "5", SCRIPT, "hold", "--ignore-signals"
+        "--nproc-per-node", "2", "--shutdown-timeout", "2", SCRIPT, "hold", "--ignore-signals"
     ) as run:
         ready = run.wait_for(READY, 2)
         pids = [int(m[2]) for m in ready] + [int(m[3]) for m in ready]
