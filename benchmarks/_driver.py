@@ -1,11 +1,12 @@
 """A driver process: runs one system's repetitions on command from the harness.
 
-Started as ``python -m benchmarks._driver MODULE:FUNCTION``. It reads one JSON command per
-line on stdin (``{"op": "rep", "n": ..., "params": ..., "workdir": ..., "quick": ...}`` or
-``{"op": "exit"}``) and answers each repetition with one JSON line on the file descriptor
-named by ``BENCH_REPLY_FD``; its own stdout and stderr are free for what the system under
-test prints (tee'd worker output, torch's warnings). A coroutine function runs on one event
-loop kept for the driver's whole life, as in a long-lived async application.
+Started as ``python -m benchmarks._driver``. It reads one JSON command per line on stdin
+(``{"op": "rep", "impl": "MODULE:FUNCTION", "n": ..., "params": ..., "workdir": ...,
+"quick": ...}`` or ``{"op": "exit"}``) and answers each repetition with one JSON line on the
+file descriptor named by ``BENCH_REPLY_FD``; its own stdout and stderr are free for what
+the system under test prints (tee'd worker output, torch's warnings). Coroutine functions
+run on one event loop kept for the driver's whole life, as in a long-lived async
+application.
 """
 
 from __future__ import annotations
@@ -76,25 +77,25 @@ def _answer(
     return {"status": "ok", "metrics": {k: float(v) for k, v in metrics.items()}}
 
 
-def main(argv: list[str]) -> int:
-    """Serve repetitions of the system named by ``argv[1]`` until told to exit."""
-    if len(argv) != 2:
-        print("usage: python -m benchmarks._driver MODULE:FUNCTION", file=sys.stderr)
-        return 2
+def main() -> int:
+    """Serve repetitions until told to exit."""
     reply = os.fdopen(int(os.environ[REPLY_FD_ENV]), "w", buffering=1)
     runner = _Runner()
-    try:
-        function = resolve(argv[1])
-    except ImportError as exc:
-        function = None
-        import_error = f"{type(exc).__name__}: {exc}"
+    functions: dict[str, Callable[[RepContext], Any] | str] = {}
     try:
         for line in sys.stdin:
             command = json.loads(line)
             if command["op"] == "exit":
                 break
-            if function is None:
-                answer: dict[str, Any] = {"status": "n/a", "reason": import_error}
+            impl = command["impl"]
+            if impl not in functions:
+                try:
+                    functions[impl] = resolve(impl)
+                except ImportError as exc:
+                    functions[impl] = f"{type(exc).__name__}: {exc}"
+            function = functions[impl]
+            if isinstance(function, str):
+                answer: dict[str, Any] = {"status": "n/a", "reason": function}
             else:
                 answer = _answer(function, runner, command)
             # Flush the system's console output first so that a reader of the driver's
@@ -109,4 +110,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    sys.exit(main())

@@ -61,15 +61,15 @@ class DriverError(Exception):
 
 
 class Driver:
-    """A ``python -m benchmarks._driver`` process serving one system.
+    """A ``python -m benchmarks._driver`` process serving the systems of one driver name.
 
     It runs in its own session so that the harness can stop it and everything it started
     in one ``killpg`` if it stops answering; its stdout and stderr go to a log file.
     """
 
-    def __init__(self, system: System, run_dir: Path, index: int) -> None:
-        self.system = system
-        safe = "".join(c if c.isalnum() else "_" for c in system.label)
+    def __init__(self, name: str, run_dir: Path, index: int) -> None:
+        self.name = name
+        safe = "".join(c if c.isalnum() else "_" for c in name)
         self.log_path = run_dir / f"driver-{index:02d}-{safe}.log"
         tmp = run_dir / "tmp" / f"{index:02d}"
         tmp.mkdir(parents=True)
@@ -82,7 +82,7 @@ class Driver:
         env[REPLY_FD_ENV] = str(write_fd)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks._driver", system.impl],
+                [sys.executable, "-m", "benchmarks._driver"],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -97,21 +97,28 @@ class Driver:
         self.alive = True
 
     def rep(
-        self, n: int, params: dict[str, Any], workdir: Path, quick: bool, timeout: float
+        self, impl: str, n: int, params: dict[str, Any], workdir: Path, quick: bool, timeout: float
     ) -> dict[str, Any]:
-        """Run one repetition and return the driver's answer.
+        """Run one repetition of ``impl`` and return the driver's answer.
 
         Raises:
             DriverError: the driver died or ran over ``timeout``; it has been stopped.
         """
-        command = {"op": "rep", "n": n, "params": params, "workdir": str(workdir), "quick": quick}
+        command = {
+            "op": "rep",
+            "impl": impl,
+            "n": n,
+            "params": params,
+            "workdir": str(workdir),
+            "quick": quick,
+        }
         assert self._proc.stdin is not None
         try:
             self._proc.stdin.write((json.dumps(command) + "\n").encode())
             self._proc.stdin.flush()
         except BrokenPipeError as exc:
             self.kill()
-            raise DriverError(f"driver for {self.system.label} died; see {self.log_path}") from exc
+            raise DriverError(f"driver for {self.name} died; see {self.log_path}") from exc
         line = self._readline(timeout)
         answer: dict[str, Any] = json.loads(line)
         return answer
@@ -123,7 +130,7 @@ class Driver:
             if remaining <= 0:
                 self.kill()
                 raise DriverError(
-                    f"driver for {self.system.label} gave no answer in {timeout:g} s; "
+                    f"driver for {self.name} gave no answer in {timeout:g} s; "
                     f"stopped it (see {self.log_path})"
                 )
             readable, _, _ = select.select([self._reply_fd], [], [], remaining)
@@ -133,8 +140,7 @@ class Driver:
             if not data:
                 self.kill()
                 raise DriverError(
-                    f"driver for {self.system.label} exited; see {self.log_path}:\n"
-                    + _tail(self.log_path)
+                    f"driver for {self.name} exited; see {self.log_path}:\n" + _tail(self.log_path)
                 )
             self._buffer += data
         line, _, self._buffer = self._buffer.partition(b"\n")
@@ -221,15 +227,31 @@ class Harness:
         self.run_dir = run_dir
         self.log = log
         self._rep_index = 0
-        self._driver_index = 0
+        self._drivers: dict[str, Driver] = {}
 
     def run(self) -> list[Series]:
-        """Every selected measure, group by group."""
+        """Every selected measure, group by group; every driver is stopped at the end."""
         results: list[Series] = []
-        for measure in self.plan.measures:
-            for group in measure.groups:
-                results.extend(self._run_group(measure, group))
+        try:
+            for measure in self.plan.measures:
+                for group in measure.groups:
+                    started = time.monotonic()
+                    results.extend(self._run_group(measure, group))
+                    elapsed = time.monotonic() - started
+                    self._print(f"== {measure.name}/{group.name}: {elapsed:.1f} s")
+        finally:
+            for driver in self._drivers.values():
+                driver.close()
         return results
+
+    def _driver(self, system: System) -> Driver:
+        """The (shared) driver process of a system, started on first use."""
+        name = system.driver_name
+        driver = self._drivers.get(name)
+        if driver is None or not driver.alive:
+            driver = Driver(name, self.run_dir, len(self._drivers) + 1)
+            self._drivers[name] = driver
+        return driver
 
     def _workdir(self) -> Path:
         self._rep_index += 1
@@ -243,36 +265,32 @@ class Harness:
             for n in ns
             for label, s in systems.items()
         }
-        drivers: dict[str, Driver] = {}
         dead: dict[str, tuple[str, str]] = {}  # label -> (status, reason)
-        try:
-            for label, system in systems.items():
-                self._driver_index += 1
-                drivers[label] = Driver(system, self.run_dir, self._driver_index)
-            for n in ns:
-                active = self.plan.systems_for(group, n)
-                warm = group.warmup and not self.plan.quick and n == ns[0]
-                if warm:
-                    for system in active:
-                        self._one(measure, group, system, n, drivers, dead, series, warmup=True)
-                reps = {s.label: self.plan.reps_for(group, n, s) for s in active}
-                for rep in range(max(reps.values(), default=0)):
-                    # Rotate the order each round so that no system always runs right after
-                    # the same other one (page cache, CPU frequency, a neighbour's burst).
-                    due = [s for s in active if reps[s.label] > rep]
-                    shift = rep % len(due) if due else 0
-                    for system in due[shift:] + due[:shift]:
-                        self._one(measure, group, system, n, drivers, dead, series)
-            for (label, _), entry in series.items():
-                if entry.status != "ok" or entry.reps > 0:
-                    continue
-                if label in dead:
-                    entry.status, entry.reason = dead[label]
-                else:
-                    entry.status, entry.reason = "skipped", "not run at this N in this mode"
-        finally:
-            for driver in drivers.values():
-                driver.close()
+        # Start every driver of the group before its first repetition, so that no
+        # interpreter start-up runs beside a measured repetition.
+        for system in systems.values():
+            self._driver(system)
+        for n in ns:
+            active = self.plan.systems_for(group, n)
+            warm = group.warmup and not self.plan.quick and n == ns[0]
+            if warm:
+                for system in active:
+                    self._one(measure, group, system, n, dead, series, warmup=True)
+            reps = {s.label: self.plan.reps_for(group, n, s) for s in active}
+            for rep in range(max(reps.values(), default=0)):
+                # Rotate the order each round so that no system always runs right after
+                # the same other one (page cache, CPU frequency, a neighbour's burst).
+                due = [s for s in active if reps[s.label] > rep]
+                shift = rep % len(due) if due else 0
+                for system in due[shift:] + due[:shift]:
+                    self._one(measure, group, system, n, dead, series)
+        for (label, _), entry in series.items():
+            if entry.status != "ok" or entry.reps > 0:
+                continue
+            if label in dead:
+                entry.status, entry.reason = dead[label]
+            else:
+                entry.status, entry.reason = "skipped", "not run at this N in this mode"
         return list(series.values())
 
     def _one(
@@ -281,7 +299,6 @@ class Harness:
         group: Group,
         system: System,
         n: int,
-        drivers: dict[str, Driver],
         dead: dict[str, tuple[str, str]],
         series: dict[tuple[str, int], Series],
         warmup: bool = False,
@@ -292,7 +309,8 @@ class Harness:
         workdir = self._workdir()
         what = f"{measure.name}/{group.name} N={n} {label}" + (" (warm-up)" if warmup else "")
         try:
-            answer = drivers[label].rep(
+            answer = self._driver(system).rep(
+                system.impl,
                 n,
                 _params(group, system, self.plan.quick),
                 workdir,
@@ -314,11 +332,10 @@ class Harness:
                 entry.warmup = metrics
             else:
                 entry.samples.append(metrics)
-            headline = metrics.get(measure.metrics[0].name)
-            shown = (
-                ""
-                if headline is None
-                else _show(headline, measure.metrics[0].scale, measure.metrics[0].unit)
+            shown = ", ".join(
+                _show(metrics[m.name], m.scale, m.unit)
+                for m in measure.metrics
+                if m.name in metrics
             )
             self._print(f"{what}: {shown}")
         elif status == "timeout":

@@ -237,29 +237,42 @@ def plot(results: list[Series], path: Path) -> bool:
             file=sys.stderr,
         )
         return False
-    curves: dict[str, list[tuple[int, float]]] = {}
+    curves: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for s in results:
         if s.measure not in ("startup", "floor") or s.status != "ok" or not s.samples:
             continue
-        if s.measure == "floor" and s.system == "floor/true":
-            continue
-        label = s.system if s.measure == "floor" else f"{s.system} ({s.group})"
+        if s.system == "floor/true":
+            continue  # a completion floor, not a startup one
+        family, _, variant = s.system.partition("/")
         median = statistics.median(x["seconds"] for x in s.samples)
-        curves.setdefault(label, []).append((s.n, median * 1000))
-    figure, axes = plt.subplots(figsize=(10, 6))
-    for label, points in sorted(curves.items()):
+        curves.setdefault((family, variant), []).append((s.n, median * 1000))
+    # Colour says what starts (the start method, or the floor row), line style says who
+    # starts it, so that 12 curves stay readable.
+    variants = sorted({v for _, v in curves})
+    palette = plt.get_cmap("tab10")
+    colour = {v: palette(i % 10) for i, v in enumerate(variants)}
+    style = {"aioelastic": "-", "torch.elastic": "--", "torch.mp": "-.", "floor": ":"}
+    figure, axes = plt.subplots(figsize=(11, 6))
+    for (family, variant), points in sorted(curves.items()):
         points.sort()
-        style = (
-            ":" if label.startswith("floor") else ("-" if label.startswith("aioelastic") else "--")
+        axes.plot(
+            [p[0] for p in points],
+            [p[1] for p in points],
+            style.get(family, "-"),
+            color=colour[variant],
+            marker="o",
+            linewidth=2.2 if family == "aioelastic" else 1.4,
+            label=f"{family} / {variant}",
         )
-        axes.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label)
+    ns = sorted({p[0] for points in curves.values() for p in points})
     axes.set_xscale("log", base=2)
+    axes.set_xticks(ns, [str(n) for n in ns])
     axes.set_yscale("log")
     axes.set_xlabel("N workers")
     axes.set_ylabel("call to all workers running user code (ms, median)")
-    axes.set_title("startup latency (lower is better)")
+    axes.set_title("startup latency (lower is better); fn workers import torch")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7, loc="upper left")
+    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

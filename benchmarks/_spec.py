@@ -56,6 +56,10 @@ class System:
         quick: whether the system runs in ``--quick`` mode at all.
         reps: repetitions per N in full mode for this system, overriding the group's
             (cheap systems get more repetitions than torch-importing ones).
+        driver: name of the driver process that runs it (default: ``label``). Systems
+            with the same driver name share one process across groups and measures, so
+            they must leave it in the same state (same imports, same fork-server
+            preload); that sharing keeps ``--quick`` from importing torch 20 times.
     """
 
     label: str
@@ -65,6 +69,12 @@ class System:
     max_n: int | None = None
     quick: bool = True
     reps: Mapping[int, int] | None = None
+    driver: str | None = None
+
+    @property
+    def driver_name(self) -> str:
+        """The driver process this system runs in."""
+        return self.driver or self.label
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 from benchmarks._spec import Measure
-from benchmarks.measures import completion, failure, floor, idle, startup, teardown, tee
+from benchmarks.measures import (
+    completion,
+    failure,
+    floor,
+    idle,
+    launcher,
+    restart,
+    startup,
+    teardown,
+    tee,
+)
 
 
 def all_measures() -> list[Measure]:
@@ -14,6 +24,8 @@ def all_measures() -> list[Measure]:
         completion.MEASURE,
         failure.MEASURE,
         teardown.MEASURE,
+        restart.MEASURE,
         idle.MEASURE,
         tee.MEASURE,
+        launcher.MEASURE,
     ]

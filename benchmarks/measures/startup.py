@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from benchmarks import _bin
-from benchmarks._spec import SECONDS, Group, Measure, Params, RepContext, Row, System
+from benchmarks._spec import SECONDS, Group, Kind, Measure, Params, RepContext, Row, System
 from benchmarks._util import now_ns, read_stamps, seconds
 from benchmarks.measures._common import (
     NAME,
@@ -157,6 +157,17 @@ _FSP: Params = {"start_method": "forkserver", "preload": True}
 _REPS = {1: 3, 2: 3, 4: 3, 8: 3, 16: 2, 32: 1}
 _CHEAP = {n: 5 for n in (1, 2, 4, 8, 16, 32)}
 
+
+def _fn(family: str, variant: str, params: Params, **kwargs: Any) -> System:
+    # Own driver processes: these import torch in the supervisor (the worker module does)
+    # and, for torch's fork server, set a preload list; other measures' systems with the
+    # same label run in processes that must not have either.
+    impl = {_AIO: "aio_fn", _EL: "torch_elastic_fn", _MP: "torch_mp_fn"}[family]
+    kind: Kind = "aioelastic" if family == _AIO else "torch"
+    label = f"{family}/{variant}"
+    return System(label, kind, f"{_M}:{impl}", params, driver=f"startup-fn {label}", **kwargs)
+
+
 MEASURE = Measure(
     name="startup",
     letter="a",
@@ -172,36 +183,15 @@ MEASURE = Measure(
         Group(
             name="fn",
             systems=(
-                System(f"{_AIO}/spawn", "aioelastic", f"{_M}:aio_fn", _SPAWN),
-                System(f"{_EL}/spawn", "torch", f"{_M}:torch_elastic_fn", _SPAWN),
-                System(f"{_MP}/spawn", "torch", f"{_M}:torch_mp_fn", _SPAWN, max_n=16),
-                System(
-                    f"{_AIO}/forkserver", "aioelastic", f"{_M}:aio_fn", _FS, max_n=4, quick=False
-                ),
-                System(
-                    f"{_EL}/forkserver",
-                    "torch",
-                    f"{_M}:torch_elastic_fn",
-                    _FS,
-                    max_n=4,
-                    quick=False,
-                ),
-                System(
-                    f"{_MP}/forkserver", "torch", f"{_M}:torch_mp_fn", _FS, max_n=4, quick=False
-                ),
-                System(
-                    f"{_AIO}/forkserver+preload", "aioelastic", f"{_M}:aio_fn", _FSP, reps=_CHEAP
-                ),
-                System(
-                    f"{_EL}/forkserver+preload",
-                    "torch",
-                    f"{_M}:torch_elastic_fn",
-                    _FSP,
-                    reps=_CHEAP,
-                ),
-                System(
-                    f"{_MP}/forkserver+preload", "torch", f"{_M}:torch_mp_fn", _FSP, reps=_CHEAP
-                ),
+                _fn(_AIO, "spawn", _SPAWN),
+                _fn(_EL, "spawn", _SPAWN),
+                _fn(_MP, "spawn", _SPAWN, max_n=16, quick=False),
+                _fn(_AIO, "forkserver", _FS, max_n=4, quick=False),
+                _fn(_EL, "forkserver", _FS, max_n=4, quick=False),
+                _fn(_MP, "forkserver", _FS, max_n=4, quick=False),
+                _fn(_AIO, "forkserver+preload", _FSP, reps=_CHEAP),
+                _fn(_EL, "forkserver+preload", _FSP, reps=_CHEAP),
+                _fn(_MP, "forkserver+preload", _FSP, reps=_CHEAP, quick=False),
             ),
             rows=(
                 Row("fn spawn", f"{_AIO}/spawn", f"{_EL}/spawn"),

@@ -1,0 +1,87 @@
+"""h. Launcher overhead: ``aioelastic-run`` against ``torchrun`` on a trivial script.
+
+Each repetition runs ``python -m aioelastic.run`` or ``python -m torch.distributed.run``
+with ``--nproc-per-node N --master-port PORT`` (static rendezvous on 127.0.0.1, the
+single-node default of both) and :mod:`benchmarks._trivial`, which stamps the clock and
+exits. *seconds*: launch to the launcher's exit; *to user code*: launch to the last worker's
+stamp. The floor for comparison is one ``python -S`` start per process (see ``floor``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from benchmarks._spec import SECONDS, Group, Measure, Metric, NotAvailable, RepContext, Row, System
+from benchmarks._util import free_port, now_ns, read_stamps, seconds
+
+SCRIPT = Path(__file__).resolve().parent.parent / "_trivial.py"
+TO_USER = Metric("to_user", "ms to user code", scale=1000.0)
+
+
+def _run(ctx: RepContext, module: str) -> dict[str, float]:
+    output = ctx.workdir / "launcher.log"
+    command = [
+        sys.executable,
+        "-m",
+        module,
+        "--nproc-per-node",
+        str(ctx.n),
+        "--master-port",
+        str(free_port()),
+        str(SCRIPT),
+        str(ctx.workdir),
+    ]
+    with open(output, "wb") as out:
+        start = now_ns()
+        code = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, timeout=120, check=False
+        ).returncode
+        end = now_ns()
+    if code != 0:
+        tail = "\n".join(output.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"{module} exited with {code}:\n{tail}")
+    started = max(read_stamps(ctx.workdir, "start", ctx.n))
+    return {"seconds": seconds(end - start), "to_user": seconds(started - start)}
+
+
+def aio_run(ctx: RepContext) -> dict[str, float]:
+    """``python -m aioelastic.run``."""
+    if importlib.util.find_spec("aioelastic.run") is None:
+        raise NotAvailable("aioelastic.run is not importable yet")
+    return _run(ctx, "aioelastic.run")
+
+
+def torchrun(ctx: RepContext) -> dict[str, float]:
+    """``python -m torch.distributed.run`` (torchrun)."""
+    return _run(ctx, "torch.distributed.run")
+
+
+_M = "benchmarks.measures.launcher"
+
+MEASURE = Measure(
+    name="launcher",
+    letter="h",
+    title="launcher overhead on a trivial script",
+    metrics=(SECONDS, TO_USER),
+    notes=(
+        "`python -m aioelastic.run` vs `python -m torch.distributed.run` (torchrun), "
+        "`--nproc-per-node N --master-port P script.py`; the script stamps the clock and exits."
+    ),
+    groups=(
+        Group(
+            name="script",
+            systems=(
+                System("aioelastic-run", "aioelastic", f"{_M}:aio_run"),
+                System("torchrun", "torch", f"{_M}:torchrun"),
+            ),
+            rows=(Row("trivial script", "aioelastic-run", "torchrun"),),
+            ns=(1, 4),
+            quick_ns=(1,),
+            default_reps=5,
+            rep_timeout=150.0,
+        ),
+    ),
+)

@@ -1,0 +1,156 @@
+"""e. Agent restart: from a worker's failure to every worker of the next attempt in user code.
+
+One single-node elastic job per repetition, through each side's ``elastic_launch`` (torch's
+drives its ``LocalElasticAgent``): static rendezvous on 127.0.0.1, ``max_restarts=1``,
+``monitor_interval=0.1`` (torchrun's default). Workers are functions whose module imports
+torch (:func:`benchmarks._fn_torch.restart`): on attempt 0, local rank 0 exits 1 once all
+run (stamping the clock just before), the others sleep until stopped; on attempt 1 every
+worker stamps the clock as its first line and returns.
+
+The time covers: noticing the failure, stopping the siblings, the new rendezvous, and
+starting N workers that import torch; with a preloaded fork server that import is already
+done in the server, so a restart costs forks.
+"""
+
+from __future__ import annotations
+
+from benchmarks._spec import SECONDS, Group, Measure, Params, RepContext, Row, System
+from benchmarks._util import free_port, make_fifo, read_stamp, read_stamps, seconds
+from benchmarks.measures._common import aio, set_stdlib_forkserver_preload
+
+PRELOAD = ("torch",)
+
+
+def _outcome(ctx: RepContext) -> dict[str, float]:
+    failed = read_stamp(ctx.workdir / "fail")
+    return {"seconds": seconds(max(read_stamps(ctx.workdir, "start", ctx.n)) - failed)}
+
+
+def _common(ctx: RepContext) -> dict[str, object]:
+    make_fifo(ctx.workdir / "ready")
+    return {
+        "min_nodes": 1,
+        "max_nodes": 1,
+        "nproc_per_node": ctx.n,
+        "run_id": f"bench-{ctx.workdir.name}",
+        "role": "bench",
+        "rdzv_backend": "static",
+        "rdzv_endpoint": f"127.0.0.1:{free_port()}",
+        "rdzv_configs": {"rank": 0},
+        "max_restarts": 1,
+        "monitor_interval": 0.1,
+        "start_method": ctx.str_param("start_method"),
+    }
+
+
+async def aio_agent(ctx: RepContext) -> dict[str, float]:
+    """aioelastic's ``elastic_launch`` (its LocalElasticAgent)."""
+    launch = aio("aioelastic._elastic_launch")
+    from benchmarks import _fn_torch
+
+    preload = PRELOAD if ctx.params.get("preload") else ()
+    config = launch.LaunchConfig(
+        **_common(ctx), log_dir=str(ctx.workdir / "logs"), forkserver_preload=preload
+    )
+    await launch.elastic_launch(config, _fn_torch.restart)(str(ctx.workdir))
+    return _outcome(ctx)
+
+
+def torch_agent(ctx: RepContext) -> dict[str, float]:
+    """torch's ``elastic_launch`` (its LocalElasticAgent)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from benchmarks import _fn_torch
+
+    if ctx.params.get("preload"):
+        set_stdlib_forkserver_preload(list(PRELOAD))
+    config = LaunchConfig(
+        **_common(ctx),  # type: ignore[arg-type]
+        logs_specs=DefaultLogsSpecs(log_dir=str(ctx.workdir / "logs")),
+    )
+    elastic_launch(config, _fn_torch.restart)(str(ctx.workdir))
+    return _outcome(ctx)
+
+
+_M = "benchmarks.measures.restart"
+_SPAWN: Params = {"start_method": "spawn"}
+_FSP: Params = {"start_method": "forkserver", "preload": True}
+# Own driver names: the agent systems leave state (an imported worker module, a fork
+# server with its preload list) that must not leak into other measures' systems.
+# A spawn repetition starts N torch-importing workers twice (attempt 0 and 1): ~2N s of
+# wall time on 2 cores, hence few repetitions and N <= 8; the preloaded ones are cheap.
+_CHEAP = {1: 5, 4: 5, 8: 5, 16: 5}
+
+MEASURE = Measure(
+    name="restart",
+    letter="e",
+    title="agent restart: a worker's failure to all workers of the next attempt in user code",
+    metrics=(SECONDS,),
+    notes=(
+        "Single-node elastic_launch, static rendezvous, max_restarts=1, monitor_interval=0.1; "
+        "workers import torch. forkserver+preload: aioelastic's `forkserver_preload=('torch',)`, "
+        "torch's side the stdlib `set_forkserver_preload(['torch'])`."
+    ),
+    groups=(
+        Group(
+            name="agent",
+            systems=(
+                System(
+                    "aioelastic/spawn",
+                    "aioelastic",
+                    f"{_M}:aio_agent",
+                    _SPAWN,
+                    max_n=8,
+                    quick=False,
+                    driver="agent aioelastic/spawn",
+                ),
+                System(
+                    "torch.elastic/spawn",
+                    "torch",
+                    f"{_M}:torch_agent",
+                    _SPAWN,
+                    max_n=8,
+                    quick=False,
+                    driver="agent torch.elastic/spawn",
+                ),
+                System(
+                    "aioelastic/forkserver+preload",
+                    "aioelastic",
+                    f"{_M}:aio_agent",
+                    _FSP,
+                    reps=_CHEAP,
+                    driver="agent aioelastic/forkserver+preload",
+                ),
+                System(
+                    "torch.elastic/forkserver+preload",
+                    "torch",
+                    f"{_M}:torch_agent",
+                    _FSP,
+                    reps=_CHEAP,
+                    driver="agent torch.elastic/forkserver+preload",
+                ),
+            ),
+            rows=(
+                Row("spawn", "aioelastic/spawn", "torch.elastic/spawn"),
+                Row(
+                    "forkserver+preload",
+                    "aioelastic/forkserver+preload",
+                    "torch.elastic/forkserver+preload",
+                ),
+                Row(
+                    "ours forkserver+preload vs torch spawn",
+                    "aioelastic/forkserver+preload",
+                    "torch.elastic/spawn",
+                ),
+            ),
+            ns=(1, 4, 8, 16),
+            quick_ns=(1,),
+            default_reps=3,
+            # The first elastic run in a process pays one-time imports and set-up inside
+            # the restart (torch: about 2 s more); the warm-up keeps them out.
+            warmup=True,
+            rep_timeout=240.0,
+        ),
+    ),
+)
