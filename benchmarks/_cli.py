@@ -78,6 +78,11 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         action="store_true",
         help="keep the run directory (drivers' logs) and print its path",
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would run (systems, N, repetitions) and exit",
+    )
     return parser
 
 
@@ -140,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     selected = _select(measures, args.only)
     meta = _meta(args_list, args.quick)
     plan = Plan(measures=selected, quick=args.quick, ns=args.ns, reps=args.reps)
+    if args.dry_run:
+        print(_describe(plan))
+        return 0
     run_dir = Path(tempfile.mkdtemp(prefix="aioelastic-bench-"))
     started = time.monotonic()
     become_subreaper()
@@ -170,6 +178,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(results, args.plot)
     return 1 if any(s.status == "error" for s in results) else 0
+
+
+def _describe(plan: Plan) -> str:
+    lines = []
+    for measure in plan.measures:
+        for group in measure.groups:
+            lines.append(f"{measure.letter}. {measure.name}/{group.name}:")
+            for n in plan.ns_for(group):
+                runs = ", ".join(
+                    f"{s.label} x{plan.reps_for(group, n, s)}" for s in plan.systems_for(group, n)
+                )
+                warm = (
+                    " (+1 warm-up each)"
+                    if group.warmup and not plan.quick and n == plan.ns_for(group)[0]
+                    else ""
+                )
+                lines.append(f"  N={n}: {runs}{warm}")
+    return "\n".join(lines)
 
 
 def _write_json(

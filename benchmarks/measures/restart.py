@@ -81,6 +81,7 @@ _FSP: Params = {"start_method": "forkserver", "preload": True}
 # A spawn repetition starts N torch-importing workers twice (attempt 0 and 1): ~2N s of
 # wall time on 2 cores, hence few repetitions and N <= 8; the preloaded ones are cheap.
 _CHEAP = {1: 5, 4: 5, 8: 5, 16: 5}
+_SPAWN_REPS = {1: 3, 4: 3, 8: 2}
 
 MEASURE = Measure(
     name="restart",
@@ -103,6 +104,7 @@ MEASURE = Measure(
                     _SPAWN,
                     max_n=8,
                     quick=False,
+                    reps=_SPAWN_REPS,
                     driver="agent aioelastic/spawn",
                 ),
                 System(
@@ -112,6 +114,7 @@ MEASURE = Measure(
                     _SPAWN,
                     max_n=8,
                     quick=False,
+                    reps=_SPAWN_REPS,
                     driver="agent torch.elastic/spawn",
                 ),
                 System(

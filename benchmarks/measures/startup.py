@@ -152,10 +152,12 @@ _FSP: Params = {"start_method": "forkserver", "preload": True}
 # Costs on 2 cores: every spawned (or un-preloaded fork-server) worker imports torch,
 # about 1 s of wall time per worker once the cores are busy, so 32 such workers take
 # ~35 s per repetition. Hence: the un-preloaded fork server (which costs what spawn
-# costs) only up to N=4, torch.multiprocessing spawn up to 16, and few repetitions at
-# N >= 16 (see REPS); the preloaded fork servers are cheap and run at every N.
+# costs) only up to N=4 with 2 repetitions, torch.multiprocessing spawn up to 8 (it
+# costs what torch.distributed.elastic's spawn costs), and few repetitions at N >= 16
+# (see _REPS); the preloaded fork servers are cheap: 5 repetitions at every N.
 _REPS = {1: 3, 2: 3, 4: 3, 8: 3, 16: 2, 32: 1}
 _CHEAP = {n: 5 for n in (1, 2, 4, 8, 16, 32)}
+_FEW = {1: 2, 2: 2, 4: 2}
 
 
 def _fn(family: str, variant: str, params: Params, **kwargs: Any) -> System:
@@ -185,10 +187,10 @@ MEASURE = Measure(
             systems=(
                 _fn(_AIO, "spawn", _SPAWN),
                 _fn(_EL, "spawn", _SPAWN),
-                _fn(_MP, "spawn", _SPAWN, max_n=16, quick=False),
-                _fn(_AIO, "forkserver", _FS, max_n=4, quick=False),
-                _fn(_EL, "forkserver", _FS, max_n=4, quick=False),
-                _fn(_MP, "forkserver", _FS, max_n=4, quick=False),
+                _fn(_MP, "spawn", _SPAWN, max_n=8, quick=False),
+                _fn(_AIO, "forkserver", _FS, max_n=4, quick=False, reps=_FEW),
+                _fn(_EL, "forkserver", _FS, max_n=4, quick=False, reps=_FEW),
+                _fn(_MP, "forkserver", _FS, max_n=4, quick=False, reps=_FEW),
                 _fn(_AIO, "forkserver+preload", _FSP, reps=_CHEAP),
                 _fn(_EL, "forkserver+preload", _FSP, reps=_CHEAP),
                 _fn(_MP, "forkserver+preload", _FSP, reps=_CHEAP, quick=False),
