@@ -4,35 +4,51 @@ Why a thread: the console may be a terminal or a pipe that a slow reader drains,
 blocking ``write`` on the event loop would stall exit detection for every worker. Making
 fd 1 non-blocking is not an option either: the flag belongs to the open file description,
 shared with the terminal and every other process writing to it. So each stream gets one
-writer thread (two in all, whatever the number of workers) that sleeps on a condition
-variable while nothing is queued, and every chunk it writes holds only whole lines — which
-is what keeps lines of different ranks from interleaving.
+writer thread (two in all, whatever the number of workers), started on first use, that
+sleeps on a condition variable while nothing is queued (no wake-ups while idle), and every
+block it writes holds only whole lines — which is what keeps lines of different ranks from
+interleaving. When stdout and stderr are the same file or pipe (``2>&1``), the two threads
+take turns, so a block of one never lands inside a block of the other.
 
 Back-pressure: producers may queue up to :data:`HIGH_WATER` bytes ahead of the console;
-beyond that, :meth:`ConsoleStream.wait_for_room` makes the log pump stop reading its pipe,
-so only a worker that out-writes the console by that much is ever slowed down.
+beyond that, :meth:`ConsoleStream.wait_for_room` makes the log pumps stop reading their
+pipes, so only a worker that out-writes the console by that much is ever slowed down — it
+then blocks in its own ``write`` until the console catches up. Nothing is ever dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
+#: Bytes that may wait for the console before log pumps stop reading their pipes. Read
+#: when a console is first used, so a program may lower it before starting workers.
 HIGH_WATER = 16 * 1024 * 1024
+#: The most the writer thread joins into one ``write``: bounds the copy, and lets the
+#: back-pressure wait end as soon as part of a large backlog is out.
+WRITE_BLOCK = 1024 * 1024
 
 StreamName = Literal["stdout", "stderr"]
 
 
 class ConsoleStream:
-    """A queue of whole-line chunks drained into ``sys.stdout`` or ``sys.stderr``."""
+    """A queue of whole-line chunks drained into ``sys.stdout`` or ``sys.stderr``.
 
-    def __init__(self, name: StreamName, high_water: int = HIGH_WATER) -> None:
+    Args:
+        name: Which of the supervisor's streams this writes to. The stream object is
+            looked up at each write, so a replaced ``sys.stdout`` is honoured.
+        high_water: Queued bytes beyond which :meth:`wait_for_room` waits; defaults to
+            :data:`HIGH_WATER`.
+    """
+
+    def __init__(self, name: StreamName, high_water: int | None = None) -> None:
         self.name = name
-        self._high_water = high_water
+        self._high_water = HIGH_WATER if high_water is None else high_water
         self._cond = threading.Condition()
         self._queue: deque[bytes] = deque()
         self._enqueued = 0
@@ -86,12 +102,14 @@ class ConsoleStream:
             with self._cond:
                 while not self._queue:
                     self._cond.wait()
-                chunks = list(self._queue)
-                self._queue.clear()
-            data = b"".join(chunks)
-            self._write(data)
+                chunks = [self._queue.popleft()]
+                size = len(chunks[0])
+                while self._queue and size + len(self._queue[0]) <= WRITE_BLOCK:
+                    size += len(self._queue[0])
+                    chunks.append(self._queue.popleft())
+            self._write(b"".join(chunks) if len(chunks) > 1 else chunks[0])
             with self._cond:
-                self._written += len(data)
+                self._written += size
                 ready = [w for w in self._waiters if w[0]()]
                 for waiter in ready:
                     self._waiters.remove(waiter)
@@ -104,23 +122,49 @@ class ConsoleStream:
     def _write(self, data: bytes) -> None:
         stream = sys.stdout if self.name == "stdout" else sys.stderr
         try:
-            buffer = getattr(stream, "buffer", None)
-            if buffer is not None:
-                stream.flush()  # text the host printed before us goes first
-                buffer.write(data)
-                buffer.flush()
-            else:
-                stream.write(data.decode("utf-8", "replace"))
-                stream.flush()
-        except (OSError, ValueError):
-            # A closed or broken console (the reader went away): workers must not
-            # block or die for it; their redirected logs still get every byte.
+            with _target_lock(stream):
+                buffer = getattr(stream, "buffer", None)
+                if buffer is not None:
+                    stream.flush()  # text the host printed before us goes first
+                    buffer.write(data)
+                    buffer.flush()
+                else:
+                    stream.write(data.decode("utf-8", "replace"))
+                    stream.flush()
+        except Exception:
+            # A closed or broken console (the reader went away, sys.stdout is None or
+            # was replaced by something odd): workers must not block or die for it, and
+            # this thread must survive to keep the byte count that flush() and
+            # wait_for_room() wait on. Redirected logs still get every byte.
             pass
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+_target_locks: dict[object, threading.Lock] = {}
+_target_locks_guard = threading.Lock()
+
+
+def _target_lock(stream: object) -> threading.Lock:
+    """One lock per file or pipe written to: stdout and stderr share it under ``2>&1``.
+
+    Writes larger than ``PIPE_BUF`` are not atomic, so two threads writing blocks of
+    whole lines into the same pipe could still cut each other's lines.
+    """
+    key: object
+    try:
+        st = os.fstat(stream.fileno())  # type: ignore[attr-defined]
+        key = (st.st_dev, st.st_ino)
+    except Exception:
+        key = id(stream)  # no file descriptor (a StringIO...): lock the object itself
+    with _target_locks_guard:
+        lock = _target_locks.get(key)
+        if lock is None:
+            lock = _target_locks[key] = threading.Lock()
+        return lock
 
 
 _consoles: dict[str, ConsoleStream] = {}
@@ -134,3 +178,18 @@ def console(name: StreamName) -> ConsoleStream:
         if stream is None:
             stream = _consoles[name] = ConsoleStream(name)
         return stream
+
+
+def _forget_after_fork() -> None:
+    # A forked child (a worker started with "fork" that supervises workers of its own)
+    # inherits the consoles but not their writer threads: what it queued would never be
+    # written, and flush() would wait forever. Locks may have been held by another thread
+    # at the fork, so they are made anew too.
+    global _consoles_lock, _target_locks_guard
+    _consoles.clear()
+    _consoles_lock = threading.Lock()
+    _target_locks.clear()
+    _target_locks_guard = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
