@@ -124,8 +124,8 @@ async def _launch(plan: LaunchPlan) -> int:
 
     job_dir, temporary = _job_log_dir(plan)
     try:
-        config, entrypoint, args = launch_config(plan, job_dir)
         try:
+            config, entrypoint, args = launch_config(plan, job_dir)
             await elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
             print(error.format_msg(), file=sys.stderr, flush=True)
@@ -201,7 +201,11 @@ def launch_config(plan: LaunchPlan, log_dir: str) -> tuple[Any, Any, tuple[str, 
         no_retry_exit_codes=plan.no_retry_exit_codes,
     )
     if plan.run_path:
-        return config, run_script_path, (plan.entrypoint, *plan.args)
+        # By its importable name: under ``python -m aioelastic.run`` this module is
+        # ``__main__``, which a spawned worker could not unpickle a function from.
+        from . import run as this_module
+
+        return config, this_module.run_script_path, (plan.entrypoint, *plan.args)
     return config, plan.entrypoint, plan.args
 
 
