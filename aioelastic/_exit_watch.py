@@ -93,6 +93,14 @@ def _waiter_limiter() -> anyio.CapacityLimiter:
     return _UNLIMITED_WAITERS
 
 
+def _forget_limiter_in_child() -> None:
+    global _UNLIMITED_WAITERS
+    _UNLIMITED_WAITERS = None
+
+
+os.register_at_fork(after_in_child=_forget_limiter_in_child)
+
+
 class ThreadWatch:
     """Exit of one of our children through a thread blocked in ``waitid``."""
 

@@ -298,6 +298,17 @@ def open_server_fds() -> list[int]:
     return [s._sock.fileno() for s in _servers.values() if s._sock is not None]
 
 
+def _forget_servers_in_child() -> None:
+    # The sockets belong to the parent's conversations with its fork servers.
+    global _servers_lock
+    _servers.clear()
+    _keep_alive.clear()
+    _servers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_servers_in_child)
+
+
 @atexit.register
 def _shutdown_servers() -> None:
     for server in list(_servers.values()):

@@ -45,6 +45,16 @@ def _launcher_pool() -> ThreadPoolExecutor:
         return _pool
 
 
+def _forget_pool_in_child() -> None:
+    # A forked child inherits the executor object but none of its threads: a worker
+    # that supervises workers of its own must build a fresh pool.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 async def on_launcher_thread(fn: Callable[..., T], *args: object) -> T:
     """Run the blocking start call ``fn(*args)`` on a launcher thread.
 

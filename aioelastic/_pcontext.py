@@ -132,7 +132,9 @@ class PContext:
         self._temporary_log_root = spec.log_dir is None
         for rank in range(spec.nprocs):
             (root / str(rank)).mkdir(parents=True, exist_ok=True)
-        if self._temporary_log_root and any(spec.redirects.values()):
+        if self._temporary_log_root and any(
+            spec.redirects[r] | spec.tee[r] for r in spec.redirects
+        ):
             logger.info("aioelastic: logs of %r are in %s", spec.name, root)
         return prepared
 
@@ -207,8 +209,8 @@ class PContext:
             local_rank=rank,
             launched=launched,
             error_file=prepared.error_file,
-            stdout_path=str(rank_dir / "stdout.log") if Std.OUT in spec.redirects[rank] else "",
-            stderr_path=str(rank_dir / "stderr.log") if Std.ERR in spec.redirects[rank] else "",
+            stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
+            stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
             stdout=stdout_pump,
             stderr=stderr_pump,
             result=ResultReceiver(res_r) if res_r >= 0 else None,
@@ -257,7 +259,7 @@ class PContext:
         spec = self._spec
         shown = spec.local_ranks_filter is None or rank in spec.local_ranks_filter
         teed = stream in spec.tee[rank]
-        redirected = stream in spec.redirects[rank]
+        redirected = stream in self._logged(rank)
         target = console("stdout" if stream is Std.OUT else "stderr")
         if shown and teed:
             sink, prefix = target, self._prefix(rank)
@@ -271,6 +273,14 @@ class PContext:
             "prefix": prefix,
             "keep_tail": stream is Std.ERR,
         }
+
+    def _logged(self, rank: int) -> Std:
+        """The streams of ``rank`` written to log files.
+
+        A tee'd stream is logged as well as shown, as in torch (and as API.md's "tee
+        *also* prints it" says): the console is a view, the file is the record.
+        """
+        return self._spec.redirects[rank] | self._spec.tee[rank]
 
     def _prefix(self, rank: int) -> bytes:
         spec = self._spec

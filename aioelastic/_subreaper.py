@@ -34,6 +34,18 @@ own_children_lock = threading.Lock()
 STRAY_KILL_TIMEOUT = 5.0
 
 
+def _reset_in_child() -> None:
+    # PR_SET_CHILD_SUBREAPER is not inherited by fork(), and the parent's children are
+    # not the child's.
+    global _enabled, own_children_lock
+    _enabled = False
+    own_children.clear()
+    own_children_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_in_child)
+
+
 def enable_subreaper() -> bool:
     """Make this process the subreaper of its descendants (Linux); ``False`` if unsupported.
 

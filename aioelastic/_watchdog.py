@@ -132,3 +132,13 @@ class Watchdog:
 
 watchdog = Watchdog()
 atexit.register(watchdog.stop)
+
+
+def _forget_in_child() -> None:
+    # The parent's watchdog guards the parent's workers; a forked child that supervises
+    # workers of its own starts its own watchdog (and closes the inherited pipe).
+    watchdog._popen = None
+    watchdog._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -536,10 +536,25 @@ async def test_temporary_log_dir_is_removed_when_nothing_was_redirected(
         args={0: (0, "not kept"), 1: (1, "not kept")},
         envs={0: {}, 1: {}},
         start_method="fork",
-        tee=Std.ALL,
     )
     assert not result.failures
     assert list(private_tempdir.iterdir()) == []
+
+
+@pytest.mark.asyncio
+async def test_tee_also_logs_to_files_like_torch(private_tempdir: Path) -> None:
+    result = await run_processes(
+        name="w",
+        entrypoint=children.one_line,
+        args={0: (0, "kept")},
+        envs={0: {}},
+        start_method="fork",
+        tee=Std.OUT,
+    )
+    (kept,) = private_tempdir.iterdir()
+    assert result.stdouts == {0: str(kept / "0" / "stdout.log")}
+    assert result.stderrs == {0: ""}
+    assert "kept" in (kept / "0" / "stdout.log").read_text()
 
 
 @pytest.mark.asyncio

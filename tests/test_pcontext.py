@@ -382,3 +382,16 @@ async def test_start_failure_stops_the_ones_already_started(tmp_path: Path) -> N
     with pytest.raises(RuntimeError, match="could not import"):
         async with ctx:
             pass
+
+
+@pytest.mark.parametrize("inner", ["fork", "forkserver", "spawn"])
+async def test_a_forked_worker_can_supervise_workers_of_its_own(inner: str) -> None:
+    # Warm the outer fork server and watchdog first: the forked worker inherits them.
+    await aioelastic.run_processes(
+        "warm", core.add, {0: (1, 1)}, envs(1), start_method="forkserver"
+    )
+    with anyio.fail_after(60):
+        result = await aioelastic.run_processes(
+            "outer", core.nested_supervisor, {0: (inner,)}, envs(1), start_method="fork"
+        )
+    assert result.return_values == {0: {0: 21, 1: 22}}

@@ -209,5 +209,20 @@ def subreaper_demo(fifo: str) -> None:
     anyio.run(run)
 
 
+def nested_supervisor(method: str) -> dict[int, int]:
+    """A worker that supervises workers of its own (forked: it inherits our state)."""
+    import anyio
+
+    import aioelastic
+
+    async def run() -> dict[int, int]:
+        result = await aioelastic.run_processes(
+            "inner", add, {0: (20, 1), 1: (20, 2)}, {0: {}, 1: {}}, start_method=method
+        )
+        return dict(result.return_values)
+
+    return anyio.run(run)
+
+
 if __name__ == "__main__":
     main()
