@@ -62,7 +62,15 @@ from ._events import (
     WorkersStarted,
 )
 from ._pcontext import PContext, start_processes
-from ._rendezvous import Rendezvous, create_rdzv_handler, standalone_handler
+from ._rendezvous import (
+    LocalRendezvous,
+    NodeRendezvous,
+    Rendezvous,
+    create_rdzv_handler,
+    standalone_handler,
+    store_sharing_disabled,
+    torch_available,
+)
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
 from ._std import Std, to_map
@@ -436,6 +444,15 @@ class LocalElasticAgent:
             them at once; ``run()`` then raises `SignalReceived` (``exit_code`` is
             ``128 + N``). Handlers are installed only while ``run()`` runs, only on the
             main thread, and the previous ones are restored.
+        run_id: the job id of the single-node rendezvous the agent makes itself when the
+            spec has no ``rdzv_handler`` (default: a fresh UUID; ``"none"`` with
+            ``master_port``, torchrun's default).
+
+    Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
+    ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
+    ``master_port`` when that is given. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+    (torch's switch: workers host their own store) or without torch installed it needs no
+    store, and so no torch at all: see `LocalRendezvous`.
 
     Raises:
         ValueError, TypeError: on misuse, naming the bad value.
@@ -455,6 +472,7 @@ class LocalElasticAgent:
         local_ranks_filter: Collection[int] | None = None,
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
+        run_id: str | None = None,
         _event_hub: EventHub | None = None,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
@@ -484,6 +502,9 @@ class LocalElasticAgent:
                 "TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_SIGNALS_TO_HANDLE
             )
         self._signals = _parse_signals(signals_to_handle)
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
+        self._default_run_id = run_id
         self._spec = spec
         self._start_method = start_method
         self._log_dir_arg = None if log_dir is None else Path(log_dir)
@@ -606,26 +627,29 @@ class LocalElasticAgent:
             return
         shutil.rmtree(root, ignore_errors=True)
 
-    async def _open_rendezvous(self) -> Rendezvous:
+    async def _open_rendezvous(self) -> NodeRendezvous:
         spec = self._spec
         if spec.rdzv_handler is not None:
             return Rendezvous(spec.rdzv_handler, local_addr=spec.local_addr)
+        if spec.master_port is None and (store_sharing_disabled() or not torch_available()):
+            # One node whose workers host their own store: no agent store, so no torch.
+            return LocalRendezvous(self._default_run_id, spec.local_addr)
         if spec.master_port is not None:
             # torchrun with --master-port and one node: a static rendezvous there.
             handler = await create_rdzv_handler(
                 "static",
                 f"{spec.master_addr or '127.0.0.1'}:{spec.master_port}",
-                "none",
+                self._default_run_id or "none",
                 1,
                 1,
                 local_addr=spec.local_addr,
                 rank=0,
             )
         else:
-            handler = await standalone_handler(spec.local_addr)
+            handler = await standalone_handler(spec.local_addr, self._default_run_id)
         return Rendezvous(handler, owned=True, local_addr=spec.local_addr)
 
-    async def _invoke_run(self, rdzv: Rendezvous) -> RunResult:
+    async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
         spec = self._spec
         group = self._group
         while True:
@@ -678,7 +702,7 @@ class LocalElasticAgent:
             if delay > 0:
                 await anyio.sleep(delay)
 
-    async def _rendezvous(self, rdzv: Rendezvous) -> bool:
+    async def _rendezvous(self, rdzv: NodeRendezvous) -> bool:
         """Join the next round and take its ranks; False when this node is not needed."""
         spec = self._spec
         group = self._group
@@ -716,7 +740,7 @@ class LocalElasticAgent:
         )
         return True
 
-    async def _run_attempt(self, rdzv: Rendezvous) -> RunProcsResult | _MembershipChange:
+    async def _run_attempt(self, rdzv: NodeRendezvous) -> RunProcsResult | _MembershipChange:
         spec = self._spec
         group = self._group
         assert self._log_root is not None
@@ -783,7 +807,9 @@ class LocalElasticAgent:
             for worker in group.workers:
                 worker.id = None
 
-    async def _watch(self, ctx: PContext, rdzv: Rendezvous) -> RunProcsResult | _MembershipChange:
+    async def _watch(
+        self, ctx: PContext, rdzv: NodeRendezvous
+    ) -> RunProcsResult | _MembershipChange:
         """The group's outcome, or a membership change, whichever comes first."""
         outcome: RunProcsResult | _MembershipChange | None = None
 

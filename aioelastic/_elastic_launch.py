@@ -18,7 +18,7 @@ import sys
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -28,6 +28,9 @@ from ._events import EventHub, EventStream
 from ._rendezvous import Rendezvous, create_rdzv_handler, parse_endpoint
 from ._signals import SignalReceived
 from ._std import Std
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler
 
 __all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
 
@@ -225,29 +228,30 @@ async def launch_agent(
     _hub: EventHub | None = None,
 ) -> dict[int, Any]:
     """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
-    run_id = config.run_id or str(uuid.uuid4().int)
     endpoint = config.rdzv_endpoint.strip()
-    rdzv_configs = dict(config.rdzv_configs)
     master_addr: str | None = None
     master_port: int | None = None
+    handler: RendezvousHandler | None = None
     if not endpoint:
-        # torchrun's --standalone: a store on a free local port, a run id of its own.
-        endpoint = "localhost:0"
+        # torchrun's --standalone (LaunchConfig allows no endpoint for one node only): the
+        # agent makes that rendezvous itself, and without torch when it can.
         run_id = config.run_id or str(uuid.uuid4())
-    if config.rdzv_backend == "static":
-        master_addr, master_port = parse_endpoint(endpoint, -1)
-        if master_port == -1:
-            raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
-    handler = await create_rdzv_handler(
-        config.rdzv_backend,
-        endpoint,
-        run_id,
-        config.min_nodes,
-        config.max_nodes,
-        local_addr=config.local_addr,
-        **rdzv_configs,
-    )
-    shutdown_rdzv = True
+    else:
+        run_id = config.run_id or str(uuid.uuid4().int)
+        if config.rdzv_backend == "static":
+            master_addr, master_port = parse_endpoint(endpoint, -1)
+            if master_port == -1:
+                raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
+        handler = await create_rdzv_handler(
+            config.rdzv_backend,
+            endpoint,
+            run_id,
+            config.min_nodes,
+            config.max_nodes,
+            local_addr=config.local_addr,
+            **config.rdzv_configs,
+        )
+    shutdown_rdzv = handler is not None
     try:
         spec = WorkerSpec(
             role=config.role,
@@ -277,6 +281,7 @@ async def launch_agent(
             local_ranks_filter=config.local_ranks_filter,
             forkserver_preload=config.forkserver_preload,
             signals_to_handle=config.signals_to_handle,
+            run_id=run_id,
             _event_hub=_hub,
         )
         result = await agent.run()
@@ -291,5 +296,5 @@ async def launch_agent(
         shutdown_rdzv = False
         raise
     finally:
-        if shutdown_rdzv:
+        if shutdown_rdzv and handler is not None:
             await Rendezvous(handler, owned=True).aclose()

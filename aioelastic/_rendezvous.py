@@ -26,6 +26,7 @@ torch is imported here only, and only when a handler is created or used.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 
@@ -47,11 +48,15 @@ Store = Any
 """A ``torch.distributed.Store``; typed loosely so that type checking needs no torch stubs."""
 
 __all__ = [
+    "LocalRendezvous",
+    "NodeRendezvous",
     "Rendezvous",
     "RendezvousOutcome",
     "create_rdzv_handler",
     "parse_endpoint",
     "standalone_handler",
+    "store_sharing_disabled",
+    "torch_available",
 ]
 
 logger = logging.getLogger("aioelastic.rendezvous")
@@ -215,14 +220,30 @@ async def create_rdzv_handler(
     return await _on_daemon_thread(create, f"aioelastic-rdzv-create-{run_id}")
 
 
-async def standalone_handler(local_addr: str | None = None) -> RendezvousHandler:
+def store_sharing_disabled() -> bool:
+    """torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: workers host their own store.
+
+    Then node rank 0's worker 0 hosts the workers' TCPStore at ``MASTER_PORT`` and the
+    agents' store is theirs alone, which one node does not need at all.
+    """
+    return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1"
+
+
+def torch_available() -> bool:
+    """Whether torch can be imported here (checked without importing it)."""
+    return importlib.util.find_spec("torch") is not None
+
+
+async def standalone_handler(
+    local_addr: str | None = None, run_id: str | None = None
+) -> RendezvousHandler:
     """The single-node handler torchrun uses when given neither a rendezvous nor a port.
 
     That is ``--standalone``: ``c10d`` on ``localhost:0`` (a TCPStore on a free port in
-    this process) with a fresh run id, one node.
+    this process), one node, a fresh run id unless one is given.
     """
     return await create_rdzv_handler(
-        "c10d", "localhost:0", str(uuid.uuid4()), 1, 1, local_addr=local_addr
+        "c10d", "localhost:0", run_id or str(uuid.uuid4()), 1, 1, local_addr=local_addr
     )
 
 
@@ -262,6 +283,110 @@ class RendezvousOutcome:
     world_size: int
     base_role_rank: int
     role_world_size: int
+
+
+class NodeRendezvous(Protocol):
+    """What the agent needs from a rendezvous: `Rendezvous` or `LocalRendezvous`."""
+
+    run_id: str
+    backend: str
+
+    @property
+    def use_agent_store(self) -> bool: ...
+
+    @property
+    def membership_can_change(self) -> bool: ...
+
+    async def next_rendezvous(
+        self,
+        role: str,
+        local_world_size: int,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+    ) -> RendezvousOutcome | None: ...
+
+    async def num_nodes_waiting(self) -> int: ...
+
+    async def exit_barrier(self, timeout: float) -> bool: ...
+
+    async def aclose(self, *, shutdown: bool | None = None) -> None: ...
+
+
+class LocalRendezvous:
+    """One node and no agent store: a rendezvous that needs no torch.
+
+    Used for a single node when torch's store sharing is off
+    (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) or torch is not installed. The workers get
+    what torchrun gives them in that mode: ``TORCHELASTIC_USE_AGENT_STORE=False``,
+    ``MASTER_ADDR`` this host (``local_addr`` or its FQDN), ``MASTER_PORT`` a free port on
+    which worker 0 hosts the workers' store. Every round picks a new port, so restarted
+    workers never see an earlier attempt's keys. As in torch, the port is found free by the
+    agent and bound by worker 0 a moment later: another program could take it in between,
+    which a shared agent store (torch's default) rules out.
+
+    Args:
+        run_id: the job id (``TORCHELASTIC_RUN_ID``); a fresh UUID when None.
+        local_addr: the address workers are given.
+    """
+
+    backend = "local"
+
+    def __init__(self, run_id: str | None = None, local_addr: str | None = None) -> None:
+        self.run_id = run_id or str(uuid.uuid4())
+        self._local_addr = local_addr
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Always False: worker 0 hosts the workers' store."""
+        return False
+
+    @property
+    def membership_can_change(self) -> bool:
+        """Always False: one node, nobody to join."""
+        return False
+
+    async def next_rendezvous(
+        self,
+        role: str,
+        local_world_size: int,
+        *,
+        master_addr: str | None = None,
+        master_port: int | None = None,
+    ) -> RendezvousOutcome:
+        """This node alone, ranks ``0..local_world_size-1``, a fresh free port."""
+        addr = master_addr or self._local_addr
+        if addr is None:
+            # getfqdn() may wait on DNS; torch names the node the same way.
+            addr = await _on_daemon_thread(socket.getfqdn, "aioelastic-fqdn")
+        return RendezvousOutcome(
+            store=None,
+            group_rank=0,
+            group_world_size=1,
+            master_addr=addr,
+            master_port=master_port or _free_port(),
+            base_global_rank=0,
+            world_size=local_world_size,
+            base_role_rank=0,
+            role_world_size=local_world_size,
+        )
+
+    async def num_nodes_waiting(self) -> int:
+        """Always 0."""
+        return 0
+
+    async def exit_barrier(self, timeout: float) -> bool:
+        """Nobody to wait for."""
+        return True
+
+    async def aclose(self, *, shutdown: bool | None = None) -> None:
+        """Nothing to release."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
 
 
 class Rendezvous:

@@ -15,6 +15,7 @@ import random
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -563,12 +564,66 @@ async def test_elastic_launch_returns_by_global_rank_or_raises_child_failed(
     assert caught.value.name == "fail_until"
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_without_store_sharing_each_attempt_gets_a_new_worker_port(
+    out_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    spec = WorkerSpec(
+        local_world_size=2,
+        entrypoint=children.fail_until,
+        args=(str(out_dir), 1, 0, 3),
+        max_restarts=1,
+    )
+    agent = LocalElasticAgent(spec, start_method=FUNCTION_START, run_id="job-9")
+    result, events = await run_collecting(agent)
+    assert not result.is_failed()
+    for seen in result.return_values.values():
+        assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # worker 0 hosts the store
+        assert (seen["TORCHELASTIC_RUN_ID"], seen["GROUP_WORLD_SIZE"]) == ("job-9", "1")
+    rounds = [e for e in events if isinstance(e, RendezvousCompleted)]
+    assert len({e.master_port for e in rounds}) == 2
+    assert {e.run_id for e in events} == {"job-9"}
+
+
+def test_one_node_without_store_sharing_keeps_torch_out_of_the_launcher(out_dir: Path) -> None:
+    code = (
+        "import asyncio, json, sys\n"
+        "from aioelastic._elastic_launch import LaunchConfig, elastic_launch\n"
+        "from tests.children.agent import report\n"
+        "config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)\n"
+        "out = asyncio.run(elastic_launch(config, report)(sys.argv[1]))\n"
+        "print(json.dumps({'torch': 'torch' in sys.modules, 'out': out}))\n"
+    )
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(out_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["torch"] is False
+    assert sorted(report["out"]) == ["0", "1"]
+    assert report["out"]["1"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
 @pytest.mark.slow
 @pytest.mark.asyncio
 @pytest.mark.timeout(90)
-async def test_restarted_gloo_workers_get_a_fresh_store(out_dir: Path) -> None:
-    # torchrun 2.13 fails this: the restarted workers read the first attempt's keys from
-    # the one shared store and gloo's connectFullMesh connects to dead addresses.
+@pytest.mark.parametrize("sharing", ["agent store", "worker store"])
+async def test_restarted_gloo_workers_get_a_fresh_store(
+    out_dir: Path, monkeypatch: pytest.MonkeyPatch, sharing: str
+) -> None:
+    # torchrun 2.13 fails this with its default (agent store): the restarted workers read
+    # the first attempt's keys from its one store and gloo's connectFullMesh connects to
+    # dead addresses.
+    if sharing == "worker store":
+        monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     spec = WorkerSpec(
         local_world_size=2,
         entrypoint=children.collective,

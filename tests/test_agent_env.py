@@ -136,13 +136,18 @@ def _added(env: dict[str, str]) -> dict[str, str]:
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 @pytest.mark.usefixtures("_collect_stores")
+@pytest.mark.parametrize("sharing", ["agent store", "worker store"])
 async def test_workers_see_what_they_see_under_torchrun(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharing: str
 ) -> None:
     from aioelastic._elastic_launch import LaunchConfig, elastic_launch
 
     for name in ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
+    # torch's switch: workers host their own store (then our agent needs no torch).
+    monkeypatch.setenv(
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1" if sharing == "worker store" else "0"
+    )
     job = ["-m", "tests.children.agent", "env"]
     under_torchrun = tmp_path / "torchrun"
     under_agent = tmp_path / "agent"
