@@ -196,7 +196,9 @@ class WorkerSpec:
             seconds. Worker exits are events and are acted on at once.
         rdzv_handler: torch's ``RendezvousHandler``; ``None`` means one node:
             torchrun's ``--standalone`` (``c10d`` on ``localhost:0``), or, when
-            ``master_port`` is given, ``static`` at ``master_addr:master_port``.
+            ``master_port`` is given, ``static`` at ``master_addr:master_port``; with
+            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` or without torch, a torch-free
+            `LocalRendezvous`.
         master_addr: overrides the store address workers get (``MASTER_ADDR``).
         master_port: overrides its port (``MASTER_PORT``).
         local_addr: this node's address as peers see it (for the default handler).
