@@ -814,12 +814,17 @@ class LocalElasticAgent:
     ) -> RunProcsResult | _MembershipChange:
         """The group's outcome, or a membership change, whichever comes first."""
         outcome: RunProcsResult | _MembershipChange | None = None
+        error: Exception | None = None
 
         async with anyio.create_task_group() as tg:
 
             async def workers_done() -> None:
-                nonlocal outcome
-                outcome = await ctx.wait()
+                nonlocal outcome, error
+                try:
+                    outcome = await ctx.wait()
+                except Exception as e:
+                    # Raised below as itself, not wrapped in the task group's ExceptionGroup.
+                    error = e
                 tg.cancel_scope.cancel()
 
             async def nodes_waiting() -> None:
@@ -843,6 +848,8 @@ class LocalElasticAgent:
             tg.start_soon(workers_done)
             if rdzv.membership_can_change:
                 tg.start_soon(nodes_waiting)
+        if error is not None:
+            raise error
         assert outcome is not None
         return outcome
 

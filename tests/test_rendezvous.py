@@ -14,6 +14,7 @@ torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
 from aioelastic._rendezvous import (  # noqa: E402
+    LocalRendezvous,
     Rendezvous,
     RendezvousOutcome,
     create_rdzv_handler,
@@ -73,6 +74,23 @@ async def test_static_single_node_reuses_its_store_across_rounds() -> None:
     assert await rdzv.num_nodes_waiting() == 0
     assert await rdzv.exit_barrier(5.0)
     await rdzv.aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_static_fixed_nodes_by_node_rank() -> None:
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        Rendezvous(await create_rdzv_handler("static", endpoint, "fixed", 2, 2, rank=rank))
+        for rank in (0, 1)
+    ]
+    first, second = await _join_both(nodes[0], nodes[1], (2, 2))
+    assert (first.group_rank, second.group_rank) == (0, 1)
+    assert (first.base_global_rank, second.base_global_rank) == (0, 2)
+    assert first.world_size == second.world_size == 4
+    assert second.master_port == int(endpoint.rsplit(":", 1)[1])
+    for node in nodes:
+        await node.aclose()
 
 
 @pytest.mark.asyncio
@@ -272,3 +290,17 @@ async def test_a_spare_node_told_to_leave_is_not_an_error() -> None:
     rdzv = Rendezvous(_SpareNodeHandler())
     assert await rdzv.next_rendezvous("trainer", 1) is None
     await rdzv.aclose()
+
+
+@pytest.mark.asyncio
+async def test_one_node_without_an_agent_store_needs_no_rendezvous_at_all() -> None:
+    local = LocalRendezvous("solo", local_addr="127.0.0.1")
+    assert (local.use_agent_store, local.membership_can_change) == (False, False)
+    first = await local.next_rendezvous("trainer", 3)
+    again = await local.next_rendezvous("trainer", 3)
+    assert (first.group_rank, first.group_world_size, first.world_size) == (0, 1, 3)
+    assert first.master_addr == "127.0.0.1"
+    assert first.master_port != again.master_port  # a new worker store every attempt
+    assert await local.num_nodes_waiting() == 0
+    assert await local.exit_barrier(1.0)
+    assert LocalRendezvous().run_id != LocalRendezvous().run_id
