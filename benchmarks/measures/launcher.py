@@ -10,11 +10,22 @@ stamp. The floor for comparison is one ``python -S`` start per process (see ``fl
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, NotAvailable, RepContext, Row, System
+from benchmarks._spec import (
+    SECONDS,
+    Group,
+    Measure,
+    Metric,
+    NotAvailable,
+    Params,
+    RepContext,
+    Row,
+    System,
+)
 from benchmarks._util import free_port, now_ns, read_stamps, seconds
 
 SCRIPT = Path(__file__).resolve().parent.parent / "_trivial.py"
@@ -34,10 +45,13 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         str(SCRIPT),
         str(ctx.workdir),
     ]
+    env = dict(os.environ)
+    if ctx.params.get("no_shared_store"):
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with open(output, "wb") as out:
         start = now_ns()
         code = subprocess.run(
-            command, stdout=out, stderr=subprocess.STDOUT, timeout=120, check=False
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=120, check=False
         ).returncode
         end = now_ns()
     if code != 0:
@@ -61,6 +75,23 @@ def torchrun(ctx: RepContext) -> dict[str, float]:
 
 _M = "benchmarks.measures.launcher"
 
+
+def _group(name: str, case: str, params: Params) -> Group:
+    return Group(
+        name=name,
+        systems=(
+            System("aioelastic-run", "aioelastic", f"{_M}:aio_run"),
+            System("torchrun", "torch", f"{_M}:torchrun"),
+        ),
+        rows=(Row(case, "aioelastic-run", "torchrun"),),
+        ns=(1, 4),
+        quick_ns=(1,),
+        default_reps=5,
+        params=params,
+        rep_timeout=150.0,
+    )
+
+
 MEASURE = Measure(
     name="launcher",
     letter="h",
@@ -68,20 +99,18 @@ MEASURE = Measure(
     metrics=(SECONDS, TO_USER),
     notes=(
         "`python -m aioelastic.run` vs `python -m torch.distributed.run` (torchrun), "
-        "`--nproc-per-node N --master-port P script.py`; the script stamps the clock and exits."
+        "`--nproc-per-node N --master-port P script.py`; the script stamps the clock and exits. "
+        "Second group: both with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (workers host their own "
+        "store), where aioelastic-run imports no torch."
     ),
     groups=(
-        Group(
-            name="script",
-            systems=(
-                System("aioelastic-run", "aioelastic", f"{_M}:aio_run"),
-                System("torchrun", "torch", f"{_M}:torchrun"),
-            ),
-            rows=(Row("trivial script", "aioelastic-run", "torchrun"),),
-            ns=(1, 4),
-            quick_ns=(1,),
-            default_reps=5,
-            rep_timeout=150.0,
+        _group("script", "trivial script", {}),
+        # torchrun's mode where workers host their own store: aioelastic's single-node
+        # launch then needs no torch at all (torchrun imports it anyway).
+        _group(
+            "script, no shared store",
+            "trivial script, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            {"no_shared_store": True},
         ),
     ),
 )
