@@ -66,10 +66,6 @@ from ._rendezvous import (
     LocalRendezvous,
     NodeRendezvous,
     Rendezvous,
-    create_rdzv_handler,
-    standalone_handler,
-    store_sharing_disabled,
-    torch_available,
 )
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
@@ -633,23 +629,14 @@ class LocalElasticAgent:
         spec = self._spec
         if spec.rdzv_handler is not None:
             return Rendezvous(spec.rdzv_handler, local_addr=spec.local_addr)
-        if spec.master_port is None and (store_sharing_disabled() or not torch_available()):
-            # One node whose workers host their own store: no agent store, so no torch.
-            return LocalRendezvous(self._default_run_id, spec.local_addr)
-        if spec.master_port is not None:
-            # torchrun with --master-port and one node: a static rendezvous there.
-            handler = await create_rdzv_handler(
-                "static",
-                f"{spec.master_addr or '127.0.0.1'}:{spec.master_port}",
-                self._default_run_id or "none",
-                1,
-                1,
-                local_addr=spec.local_addr,
-                rank=0,
-            )
-        else:
-            handler = await standalone_handler(spec.local_addr, self._default_run_id)
-        return Rendezvous(handler, owned=True, local_addr=spec.local_addr)
+        # One node has no other agent to meet: no agent store, and so no torch at all.
+        # Worker 0 hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=False), as under
+        # torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. The launcher then starts in
+        # a fraction of torchrun's time, which spends most of it importing torch.
+        # torchrun's run id is "none" for a static node (its --rdzv-id default) and a
+        # fresh UUID for a standalone one.
+        run_id = self._default_run_id or ("none" if spec.master_port is not None else None)
+        return LocalRendezvous(run_id, spec.local_addr)
 
     async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
         spec = self._spec
@@ -708,11 +695,12 @@ class LocalElasticAgent:
         """Join the next round and take its ranks; False when this node is not needed."""
         spec = self._spec
         group = self._group
+        # A fixed port without an address is torchrun's static single node: 127.0.0.1.
+        master_addr = spec.master_addr
+        if master_addr is None and spec.master_port is not None:
+            master_addr = "127.0.0.1"
         outcome = await rdzv.next_rendezvous(
-            spec.role,
-            spec.local_world_size,
-            master_addr=spec.master_addr,
-            master_port=spec.master_port,
+            spec.role, spec.local_world_size, master_addr=master_addr, master_port=spec.master_port
         )
         if outcome is None:
             return False

@@ -242,6 +242,8 @@ async def launch_agent(
             master_addr, master_port = parse_endpoint(endpoint, -1)
             if master_port == -1:
                 raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
+    if endpoint and not (config.rdzv_backend == "static" and config.max_nodes == 1):
+        # A single static node meets nobody: the agent's torch-free LocalRendezvous.
         handler = await create_rdzv_handler(
             config.rdzv_backend,
             endpoint,

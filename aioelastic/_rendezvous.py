@@ -26,7 +26,6 @@ torch is imported here only, and only when a handler is created or used.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import logging
 import os
@@ -55,8 +54,6 @@ __all__ = [
     "create_rdzv_handler",
     "parse_endpoint",
     "standalone_handler",
-    "store_sharing_disabled",
-    "torch_available",
 ]
 
 logger = logging.getLogger("aioelastic.rendezvous")
@@ -218,20 +215,6 @@ async def create_rdzv_handler(
         return get_rendezvous_handler(params)
 
     return await _on_daemon_thread(create, f"aioelastic-rdzv-create-{run_id}")
-
-
-def store_sharing_disabled() -> bool:
-    """torch's ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: workers host their own store.
-
-    Then node rank 0's worker 0 hosts the workers' TCPStore at ``MASTER_PORT`` and the
-    agents' store is theirs alone, which one node does not need at all.
-    """
-    return os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0") == "1"
-
-
-def torch_available() -> bool:
-    """Whether torch can be imported here (checked without importing it)."""
-    return importlib.util.find_spec("torch") is not None
 
 
 async def standalone_handler(

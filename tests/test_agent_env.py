@@ -176,6 +176,17 @@ async def test_workers_see_what_they_see_under_torchrun(
         ours = _added(json.loads((under_agent / f"{rank}.json").read_text()))
         assert sorted(ours) == sorted(theirs)
         by_shape = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+        if sharing == "agent store":
+            # The one deliberate difference: one node needs no agent store, so ours has
+            # none (and the agent never imports torch); worker 0 hosts the workers' store.
+            assert (
+                theirs["TORCHELASTIC_USE_AGENT_STORE"],
+                ours["TORCHELASTIC_USE_AGENT_STORE"],
+            ) == (
+                "True",
+                "False",
+            )
+            by_shape.add("TORCHELASTIC_USE_AGENT_STORE")
         assert {k: v for k, v in ours.items() if k not in by_shape} == {
             k: v for k, v in theirs.items() if k not in by_shape
         }

@@ -203,11 +203,6 @@ def test_standalone_ignores_rendezvous_flags_with_a_warning() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="launch_agent builds torch's c10d/static handler even for one node; needs a "
-    "torch-free single-node path in the agent (requested)",
-)
 def test_the_launcher_does_not_import_torch_for_a_single_node_run() -> None:
     run = launch("--nproc-per-node", "2", SCRIPT, "env", env=with_env(PYTHONPROFILEIMPORTTIME="1"))
     assert run.proc.returncode == 0, run.stderr
