@@ -438,7 +438,7 @@ class LocalElasticAgent:
             that handles signals itself; cancel ``run()`` instead). ``None``: torch's
             ``TORCHELASTIC_SIGNALS_TO_HANDLE`` from the environment, else that default.
             When given it is also exported to workers, as torchrun does. On the first
-            signal the workers get SIGTERM and the grace period; a second one SIGKILLs
+            signal the workers get that same signal and the grace period; a second one SIGKILLs
             them at once; ``run()`` then raises `SignalReceived` (``exit_code`` is
             ``128 + N``). Handlers are installed only while ``run()`` runs, only on the
             main thread, and the previous ones are restored.
@@ -775,6 +775,11 @@ class LocalElasticAgent:
                     outcome = await self._watch(ctx, rdzv)
                 except BaseException as e:
                     self._emit(GroupStopping, **self._interruption(e))
+                    scope = self._signal_scope
+                    if scope is not None and scope.first is not None:
+                        # As torchrun: the workers get the signal the launcher received
+                        # (Ctrl-C arrives as SIGINT, a checkpointing SIGUSR1 as SIGUSR1).
+                        await ctx.close(death_sig=scope.first)
                     raise
                 if isinstance(outcome, _MembershipChange):
                     self._emit(

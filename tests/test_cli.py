@@ -483,3 +483,18 @@ def test_two_launchers_form_a_two_node_c10d_job(tmp_path: Path) -> None:
     seen = sorted(re.findall(r"ddp rank=(\d) world=(\d)", first.stdout + second.stdout))
     assert seen == [("0", "4"), ("1", "4"), ("2", "4"), ("3", "4")]
     assert json.loads(out.read_text())["world_size"] == 4
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("handled", "sent"), [("SIGTERM,SIGINT", signal.SIGINT), ("SIGUSR1", signal.SIGUSR1)]
+)
+def test_workers_receive_the_signal_the_launcher_received(handled: str, sent: int) -> None:
+    with launcher(
+        "--nproc-per-node", "2", "--signals-to-handle", handled, SCRIPT, "catch"
+    ) as run:  # fmt: skip
+        run.wait_for(READY, 2)
+        run.proc.send_signal(sent)
+        assert run.finish() == 128 + sent, run.stderr
+    name = signal.Signals(sent).name
+    assert sorted(re.findall(rf"caught {name} rank=(\d)", run.stdout)) == ["0", "1"], run.stdout

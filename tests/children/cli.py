@@ -128,6 +128,19 @@ def cmd_hold(args: argparse.Namespace) -> None:
     _wait_forever()
 
 
+def cmd_catch(args: argparse.Namespace) -> None:
+    """Print ``ready``, then print which signal arrived (SIGINT, SIGTERM, SIGUSR1) and exit 0."""
+
+    def caught(signum: int, frame: object) -> None:
+        print(f"caught {signal.Signals(signum).name} rank={_rank()}", flush=True)
+        os._exit(0)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, caught)
+    print(f"ready rank={_rank()} pid={os.getpid()}", flush=True)
+    _wait_forever()
+
+
 def cmd_lines(args: argparse.Namespace) -> None:
     """Write ``--count`` lines to stdout and stderr; rank ``--fail-rank`` then raises.
 
@@ -165,6 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     hold = sub.add_parser("hold")
     hold.add_argument("--ignore-signals", action="store_true")
     hold.add_argument("--escape", action="store_true")
+    sub.add_parser("catch")
     lines = sub.add_parser("lines")
     lines.add_argument("--count", type=int, default=3)
     lines.add_argument("--fail-rank", type=int, default=-1)
@@ -173,6 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     {
         "env": cmd_env,
         "ddp": cmd_ddp,
+        "catch": cmd_catch,
         "fail": cmd_fail,
         "flaky": cmd_flaky,
         "hold": cmd_hold,
