@@ -21,7 +21,7 @@ program): the loop handler is installed once and every active block receives the
 When nothing can be installed (the loop runs off the main thread, or it has no
 ``add_signal_handler``), the block installs nothing, warns once, and `SignalScope.installed`
 is False. Signals are then the host's business. Nothing is orphaned either way: workers
-die with the supervising thread (``PR_SET_PDEATHSIG``), and a supervisor cancelled because
+die with the supervising process (``PR_SET_PDEATHSIG``), and a supervisor cancelled because
 the host reacted to the signal still stops its workers, since teardown runs on
 cancellation.
 
@@ -325,7 +325,7 @@ class _LoopSignals:
                 f"aioelastic: cannot handle signals here ({type(e).__name__}: {e}); "
                 f"{', '.join(_signal_name(s) for s in sorted(scope.signals))} stay with the "
                 "host program. Workers are still stopped when this supervisor is cancelled "
-                "and still die with this thread (PR_SET_PDEATHSIG).",
+                "and still die with this process (PR_SET_PDEATHSIG).",
                 RuntimeWarning,
                 stacklevel=4,
             )
