@@ -1,10 +1,12 @@
 """h. Launcher overhead: ``aioelastic-run`` against ``torchrun`` on a trivial script.
 
 Each repetition runs ``python -m aioelastic.run`` or ``python -m torch.distributed.run``
-with ``--nproc-per-node N --master-port PORT`` (static rendezvous on 127.0.0.1, the
-single-node default of both) and :mod:`benchmarks._trivial`, which stamps the clock and
-exits. *seconds*: launch to the launcher's exit; *to user code*: launch to the last worker's
-stamp. The floor for comparison is one ``python -S`` start per process (see ``floor``).
+with ``--nproc-per-node N`` and either ``--standalone`` (the documented single-node form;
+a free port, no clash with a neighbour's 29500) or ``--master-port PORT`` (the static
+rendezvous, torchrun's default backend), and :mod:`benchmarks._trivial`, which stamps the
+clock and exits. *seconds*: launch to the launcher's exit; *to user code*: launch to the
+last worker's stamp. The floor for comparison is one ``python -S`` start per process (see
+``floor``).
 """
 
 from __future__ import annotations
@@ -34,20 +36,21 @@ TO_USER = Metric("to_user", "ms to user code", scale=1000.0)
 
 def _run(ctx: RepContext, module: str) -> dict[str, float]:
     output = ctx.workdir / "launcher.log"
+    if ctx.params.get("standalone"):
+        rendezvous = ["--standalone"]
+    else:
+        rendezvous = ["--master-port", str(free_port())]
     command = [
         sys.executable,
         "-m",
         module,
         "--nproc-per-node",
         str(ctx.n),
-        "--master-port",
-        str(free_port()),
+        *rendezvous,
         str(SCRIPT),
         str(ctx.workdir),
     ]
     env = dict(os.environ)
-    if ctx.params.get("no_shared_store"):
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     with open(output, "wb") as out:
         start = now_ns()
         code = subprocess.run(
@@ -99,18 +102,12 @@ MEASURE = Measure(
     metrics=(SECONDS, TO_USER),
     notes=(
         "`python -m aioelastic.run` vs `python -m torch.distributed.run` (torchrun), "
-        "`--nproc-per-node N --master-port P script.py`; the script stamps the clock and exits. "
-        "Second group: both with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (workers host their own "
-        "store), where aioelastic-run imports no torch."
+        "`--nproc-per-node N --standalone script.py` (the documented single-node form) and "
+        "`--nproc-per-node N --master-port P script.py` (static rendezvous); the script stamps "
+        "the clock and exits."
     ),
     groups=(
-        _group("script", "trivial script", {}),
-        # torchrun's mode where workers host their own store: aioelastic's single-node
-        # launch then needs no torch at all (torchrun imports it anyway).
-        _group(
-            "script, no shared store",
-            "trivial script, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
-            {"no_shared_store": True},
-        ),
+        _group("standalone", "trivial script, --standalone", {"standalone": True}),
+        _group("static", "trivial script, --master-port P", {"standalone": False}),
     ),
 )
