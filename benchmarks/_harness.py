@@ -1,4 +1,4 @@
-"""Runs the groups: one driver process per system, repetitions interleaved across systems.
+"""Runs the groups: systems in driver processes, repetitions interleaved across systems.
 
 The harness never polls workers: each repetition is one request to a driver, answered with
 the numbers the workers' own timestamps gave. Its only timer is a safety net around a

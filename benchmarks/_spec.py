@@ -3,9 +3,10 @@
 A *group* is one interleaving unit: every system in it runs the same workload for the same
 N, one repetition each in turn (A/B/C, then B/C/A, ...), so a noisy neighbour on this
 shared machine hits all systems alike and the ratios of one run stay meaningful. Each
-system runs in its own long-lived *driver* process (see ``_driver``), so warm state that a
-real user keeps between runs (a fork server, imported modules) is kept, and one system's
-leftovers (threads, a global fork server with other preload settings) never touch another.
+system runs in a long-lived *driver* process (see ``_driver``), so warm state that a real
+user keeps between runs (a fork server, imported modules) is kept, and one system's
+leftovers (threads, a global fork server with other preload settings) never touch another;
+systems that leave a process in the same state may share one (``System.driver``).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class Group:
 
     Attributes:
         name: short id, unique within the measure.
-        systems: the contenders; each gets its own driver process.
+        systems: the contenders, each run in its driver process (``System.driver``).
         rows: the table lines drawn from this group's samples.
         ns: N values in full mode; ``quick_ns`` in ``--quick`` mode.
         reps: repetitions per N in full mode (N -> count; N missing -> ``default_reps``).
