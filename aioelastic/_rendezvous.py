@@ -231,14 +231,36 @@ async def standalone_handler(
 
 
 def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` (IPv6 in brackets) as torch's launcher parses it.
+    """``host[:port]`` (an IPv6 address in brackets) with torch's rules, without torch.
+
+    Parsed here rather than by torch's ``parse_rendezvous_endpoint`` so that a single
+    static node never imports torch; the rules are the same: an empty host is
+    ``localhost``, a missing port is ``default_port``, a port is 0..65535.
 
     Raises:
-        ValueError: torch's, for a bad port or host name.
+        ValueError: for a port that is not an integer in 0..65535 or an unclosed bracket.
     """
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    return parse_rendezvous_endpoint(endpoint, default_port=default_port)
+    text = endpoint.strip()
+    if not text:
+        return "localhost", default_port
+    if text.startswith("["):
+        host, bracket, rest = text[1:].partition("]")
+        if not bracket or (rest and not rest.startswith(":")):
+            raise ValueError(f"rendezvous endpoint {endpoint!r} is not '[IPv6]:port'")
+        port_text = rest[1:]
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+        if not host or not port_text:
+            raise ValueError(f"rendezvous endpoint {endpoint!r} is not 'host:port'")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host or "localhost", default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(
+            f"the port of rendezvous endpoint {endpoint!r} must be an integer in 0..65535"
+        )
+    return host or "localhost", int(port_text)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import gc
 import socket
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 import pytest
@@ -18,6 +19,7 @@ from aioelastic._rendezvous import (  # noqa: E402
     Rendezvous,
     RendezvousOutcome,
     create_rdzv_handler,
+    parse_endpoint,
     standalone_handler,
 )
 
@@ -304,3 +306,22 @@ async def test_one_node_without_an_agent_store_needs_no_rendezvous_at_all() -> N
     assert await local.num_nodes_waiting() == 0
     assert await local.exit_barrier(1.0)
     assert LocalRendezvous().run_id != LocalRendezvous().run_id
+
+
+@pytest.mark.parametrize(
+    "endpoint",
+    ["node0:29400", "127.0.0.1:0", "localhost", "[::1]:29500", "[::1]", ":1234", "", "host:",
+     "host:x", "host:70000"],
+)  # fmt: skip
+def test_endpoints_parse_as_torch_parses_them_without_importing_it(endpoint: str) -> None:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    def outcome(parse: Any) -> object:
+        try:
+            return parse(endpoint, 29400)
+        except ValueError:
+            return ValueError
+
+    assert outcome(parse_endpoint) == outcome(
+        lambda e, p: parse_rendezvous_endpoint(e, default_port=p)
+    )
