@@ -88,11 +88,6 @@ class StreamPump:
                 0o644,
             )
 
-    @property
-    def open(self) -> bool:
-        """Whether the pipe has not reached end-of-file yet."""
-        return self._fd is not None
-
     async def run(self) -> None:
         """Pump until end-of-file (all writers — the worker and its children — are gone)."""
         while self._fd is not None:

@@ -71,7 +71,6 @@ class PContext:
         self._failures: dict[int, ProcessFailure] = {}
         self._return_values: dict[int, Any] = {}
         self._entered = False
-        self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
@@ -112,7 +111,6 @@ class PContext:
             await self.close()
             await self._tg.__aexit__(None, None, None)
             raise exc
-        self._started = True
         return self
 
     def _prepare(self) -> dict[int, _Prepared]:
