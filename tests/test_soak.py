@@ -1,0 +1,1219 @@
+"""Fault-injection soak: many random rounds of faults, then an audit of what was left behind.
+
+Each round draws (from a printed seed) a group of 2-4 workers, a start method, redirects,
+and for every rank a behaviour: succeed, return a large value, exit non-zero, raise, be
+SIGKILLed by the test mid-run, ignore SIGTERM, hang in a blocking call, start grandchildren
+(exec'd and forked ones, in the worker's group), and write a lot of output with or without a
+trailing newline. Then it ends the round one way: the outcome of one released fault or of
+several at once, every worker succeeding, an explicit ``close()``, ``close()`` racing the
+workers' own exits, or the supervising task cancelled at a random moment. Some rounds run
+in a supervising process of their own, to signal it (SIGINT, SIGTERM, SIGKILL) or to use
+subreaper mode with descendants that escape into their own session (``setsid``, a daemon's
+double fork) — :func:`aioelastic.enable_subreaper` is irreversible, so never in pytest.
+
+After every round: no process the round started is alive (workers, grandchildren, escaped
+descendants), none is an unreaped zombie, no file descriptor is left open, no temporary
+file or directory is left behind, every byte written to a redirected stream is in its log
+file, and the result's failures are exactly the injected ones: equal to them when one
+fault (or none) was released, and when several faults (or close()) race, a non-empty
+subset with the exact exit codes — by the API a worker the supervisor signalled before it
+was seen exiting is stopped, not failed. The test prints a table of the faults by kind and
+of every "lost" count.
+
+Bounded by default: 150 rounds or 70 s, whichever comes first (30-70 s on two shared cores).
+Longer runs::
+
+    AIOELASTIC_SOAK_SECONDS=1800 python -m pytest tests/test_soak.py::test_soak
+    AIOELASTIC_SOAK_ROUNDS=2000 AIOELASTIC_SOAK_SEED=1234 \
+        python -m pytest tests/test_soak.py::test_soak
+
+Every round draws from its own generator (seed and round number), so one round of a failed
+run replays alone: AIOELASTIC_SOAK_SEED=<seed> AIOELASTIC_SOAK_FIRST_ROUND=<n>
+AIOELASTIC_SOAK_ROUNDS=1 (its timing, of course, is the machine's).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+import aioelastic
+from aioelastic import Std, _launchers, _platform
+from tests.children import soak
+from tests.conftest import _long_lived_helper_fds, _open_fds, _zombie_children
+from tests.waits import ReadyFifo, is_running, process_state
+
+pytestmark = pytest.mark.asyncio
+
+# -- how long ---------------------------------------------------------------------------
+
+_ROUNDS_ENV = os.environ.get("AIOELASTIC_SOAK_ROUNDS")
+_SECONDS_ENV = os.environ.get("AIOELASTIC_SOAK_SECONDS")
+#: Default bounds: whichever is reached first ends the soak.
+DEFAULT_ROUNDS = 150
+DEFAULT_SECONDS = 70.0
+MAX_ROUNDS = int(_ROUNDS_ENV) if _ROUNDS_ENV else (None if _SECONDS_ENV else DEFAULT_ROUNDS)
+MAX_SECONDS = float(_SECONDS_ENV) if _SECONDS_ENV else (None if _ROUNDS_ENV else DEFAULT_SECONDS)
+#: A round that takes longer than this has hung: it is failed (and its processes killed).
+ROUND_TIMEOUT = 60.0
+_TEST_TIMEOUT = (
+    (MAX_SECONDS or 0) + (MAX_ROUNDS or 0) * (ROUND_TIMEOUT if _ROUNDS_ENV else 0) + 100
+    if (_ROUNDS_ENV or _SECONDS_ENV)
+    else 170
+)
+
+#: Bugs the soak found are pending a fix in the core (each has an xfail(strict) test at the
+#: end of this file). Until they are fixed the soak leaves out the rounds that hit them and
+#: shows one kind of leftover apart ("known"), so that CI stays meaningful;
+#: AIOELASTIC_SOAK_STRICT=1 (or False here once those tests pass) includes everything:
+#: - test_a_failure_while_siblings_start_stops_them_too: a fault while the other workers
+#:   are still starting ("early" rounds) leaves the late ones running; the round hangs;
+#: - test_a_worker_killed_while_writing_its_error_file_leaves_no_temp_file: a worker
+#:   killed while recording its error leaves ``.error-*.json.tmp`` in its log directory;
+#: - test_an_interrupt_on_a_workers_way_out_keeps_its_exit_status and
+#:   test_a_stopped_worker_that_exits_0_is_not_a_failure: close(SIGINT) racing the workers'
+#:   own exits reports a sys.exit(n) as "exited 0 without a return value" (not drawn).
+KNOWN_BUGS_PENDING = True
+STRICT = os.environ.get("AIOELASTIC_SOAK_STRICT", "0" if KNOWN_BUGS_PENDING else "1") == "1"
+
+KIND_WEIGHTS = {
+    "ok": 3,
+    "big": 1,
+    "exit": 2,
+    "raise": 2,
+    "sigkill": 2,
+    "hang": 2,
+    "ignore_term": 1,
+    "children": 2,
+}
+FINISHING = ("ok", "big")
+FAULTS = ("exit", "raise", "sigkill")
+BLOCK_CALLS = ("event", "sleep", "read", "select")
+METHOD_WEIGHTS = {"fork": 4, "forkserver": 4, "spawn": 1, "binary": 1}
+LOST = ("processes", "zombies", "fds", "temp files", "log lines")
+
+
+# -- plans ------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    """One round: its workers' plans and how it ends."""
+
+    number: int
+    where: str  # "here" | "signal" | "subreaper"
+    method: str
+    plans: list[dict[str, Any]]
+    redirects: list[int]
+    temp_logs: bool
+    grace: float
+    ending: str
+    close_sig: int = signal.SIGTERM
+    cancel_after: float = 0.0
+    race_steps: int = 0
+    #: For ending "trigger": the one fault released.
+    trigger: int | None = None
+    signal_to_supervisor: int = 0
+    #: In every worker's environment (inherited by all their descendants that exec).
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.plans)
+
+    def describe(self) -> str:
+        kinds = ",".join(
+            p["kind"] + ("+" + "+".join(p["children"]) if p["children"] else "") for p in self.plans
+        )
+        extra = (
+            f" sig={signal.Signals(self.signal_to_supervisor).name}"
+            if self.where == "signal"
+            else ""
+        )
+        return (
+            f"round {self.number} [{self.where} {self.method} {kinds} ending={self.ending}"
+            f" trigger={self.trigger}{extra} temp_logs={self.temp_logs}]"
+        )
+
+
+def _weighted(rng: random.Random, weights: dict[str, int]) -> str:
+    return rng.choices(list(weights), weights=list(weights.values()))[0]
+
+
+def _plan_worker(
+    rng: random.Random, rank: int, kind: str, method: str, redirect: int, fifo: str
+) -> dict[str, Any]:
+    if method == "binary" and kind == "big":
+        kind = "ok"  # binary workers have no return value
+    plan: dict[str, Any] = {
+        "rank": rank,
+        "kind": kind,
+        "fifo": fifo,
+        "block": rng.choice(BLOCK_CALLS),
+        "children": [],
+        "output": {},
+    }
+    if kind == "exit":
+        plan["code"] = rng.choice([2, 3, 7, 42, 255])
+    if kind == "big":
+        plan["size"] = rng.choice([1 << 20, 4 << 20, 16 << 20])
+        plan["seed"] = rng.randrange(1 << 30)
+    if kind == "children" or rng.random() < 0.25:
+        plan["children"] = rng.sample(["exec", "fork"], k=rng.randint(1, 2))
+    for stream, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+        if redirect & bit and rng.random() < 0.75:
+            plan["output"][stream] = {
+                "tag": f"r{rank}{stream[3:]}",
+                "lines": rng.choice([1, 40, 3000, 20000]),
+                "seed": rng.randrange(1 << 30),
+                "newline": rng.random() < 0.5,
+                "long": rng.choice([0, 0, 0, 300_000]),
+            }
+    return plan
+
+
+def draw_round(rng: random.Random, number: int, directory: Path) -> Round:
+    """A random round (all choices from ``rng``)."""
+    fifo = str(directory / "ready.fifo")
+    roll = rng.random()
+    where = "signal" if roll < 0.08 else "subreaper" if roll < 0.16 else "here"
+    method = _weighted(rng, METHOD_WEIGHTS)
+    nprocs = rng.randint(2, 4)
+    redirects = [rng.choice([0, 0, 1, 2, 3]) for _ in range(nprocs)]
+    weights = dict(KIND_WEIGHTS)
+    if where == "signal":
+        # Nothing to release: the signal to the supervisor ends the round.
+        weights = {"ok": 1, "hang": 2, "ignore_term": 1, "children": 2}
+    kinds = [_weighted(rng, weights) for _ in range(nprocs)]
+    plans = [_plan_worker(rng, r, kinds[r], method, redirects[r], fifo) for r in range(nprocs)]
+    kinds = [p["kind"] for p in plans]
+    rnd = Round(
+        number=number,
+        where=where,
+        method=method,
+        plans=plans,
+        redirects=redirects,
+        temp_logs=rng.random() < 0.5,
+        grace=rng.choice([0.0, 0.2, 0.5]),
+        ending="",
+    )
+    faults = [r for r, k in enumerate(kinds) if k in FAULTS]
+    if where == "signal":
+        rnd.ending = "signal"
+        rnd.signal_to_supervisor = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+        # Nobody is left to clean a temporary directory after SIGTERM or SIGKILL.
+        rnd.temp_logs = rnd.temp_logs and rnd.signal_to_supervisor == signal.SIGINT
+        return rnd
+    if where == "subreaper":
+        escaper = rng.randrange(nprocs)
+        plans[escaper]["children"] = [
+            *plans[escaper]["children"],
+            *rng.sample(["setsid", "daemon"], k=rng.randint(1, 2)),
+        ]
+        rnd.ending = "trigger" if faults and rng.random() < 0.6 else "close"
+    elif faults:
+        rnd.ending = _weighted(rng, {"trigger": 5, "burst": 2, "cancel": 2, "close_race": 1})
+        early = [r for r in faults if kinds[r] in ("exit", "raise")]
+        if STRICT and early and rng.random() < 0.3:
+            rnd.ending = "early"
+            rnd.trigger = rng.choice(early)
+            plans[rnd.trigger]["early"] = True
+    elif all(k in FINISHING for k in kinds):
+        rnd.ending = _weighted(rng, {"natural": 3, "close_race": 2, "cancel": 1})
+    else:
+        rnd.ending = _weighted(rng, {"close": 3, "cancel": 2})
+    if rnd.ending == "trigger":
+        rnd.trigger = rng.choice(faults)
+    if rnd.ending == "cancel":
+        rnd.cancel_after = rng.uniform(0.0, 0.6)
+    if rnd.ending in ("close", "close_race"):
+        rnd.close_sig = rng.choice([signal.SIGTERM, signal.SIGTERM, signal.SIGKILL, signal.SIGINT])
+        if rnd.ending == "close_race" and rnd.close_sig == signal.SIGINT and not STRICT:
+            rnd.close_sig = signal.SIGTERM
+    if rnd.ending == "close_race":
+        rnd.race_steps = rng.randrange(6)
+        for plan in plans:
+            if plan["kind"] in FINISHING:
+                plan["gate"] = True
+    return rnd
+
+
+# -- watching a round's processes --------------------------------------------------------
+
+
+class SoakFifo(ReadyFifo):
+    """The round's FIFO: ready lines, grandchildren and "wrote" notes from every worker."""
+
+    def pending(self) -> list[str]:
+        """Every complete line already written, without waiting."""
+        while True:
+            try:
+                chunk = os.read(self._fd, 65536)
+            except BlockingIOError:
+                break
+            if not chunk:
+                break
+            self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        return [line.decode() for line in lines]
+
+
+@dataclass
+class Seen:
+    """What the round's workers told the test."""
+
+    ready: dict[int, int] = field(default_factory=dict)
+    wrote: set[int] = field(default_factory=set)
+    #: grandchild pid -> pidfd taken when it was reported (``None`` if already gone).
+    grandchildren: dict[int, int | None] = field(default_factory=dict)
+
+    def take(self, lines: list[str]) -> None:
+        """Record what these FIFO lines say."""
+        for line in lines:
+            words = line.split()
+            if not words:
+                continue
+            if words[0] == "ready":
+                self.ready[int(words[1])] = int(words[2])
+            elif words[0] == "wrote":
+                self.wrote.add(int(words[1]))
+            elif words[0] == "grandchild":
+                pid = int(words[2])
+                if pid not in self.grandchildren:
+                    self.grandchildren[pid] = _pidfd(pid)
+
+    async def until_ready(
+        self,
+        fifo: SoakFifo,
+        plans: list[dict[str, Any]],
+        group_over: Callable[[], Any],
+    ) -> None:
+        """Wait until every worker said ready, or until the group ended without that."""
+        async with anyio.create_task_group() as tg:
+
+            async def watch_outcome() -> None:
+                await group_over()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch_outcome)
+            while len(self.ready) < len(plans):
+                self.take(await fifo.lines(1, timeout=ROUND_TIMEOUT))
+            tg.cancel_scope.cancel()
+
+    def close(self) -> None:
+        """Close the pidfds held for the grandchildren."""
+        for fd in self.grandchildren.values():
+            if fd is not None:
+                os.close(fd)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:
+        return None
+
+
+def _exited(pidfd: int | None) -> bool:
+    if pidfd is None:
+        return True
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+def _has_mark(pid: int, needle: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return needle in f.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def processes_with_mark(mark: str) -> list[int]:
+    """Live processes (zombies excluded) started under this round's mark."""
+    needle = f"{soak.ROUND_MARK}={mark}".encode()
+    return [
+        int(e)
+        for e in os.listdir("/proc")
+        if e.isdigit() and _has_mark(int(e), needle) and is_running(int(e))
+    ]
+
+
+async def _all_exit(pids: list[int], timeout: float) -> list[int]:
+    """Wait (event-driven, bounded) for ``pids`` to exit; return those still running."""
+    fds = {pid: _pidfd(pid) for pid in pids}
+    try:
+        with anyio.move_on_after(timeout):
+            for fd in fds.values():
+                if fd is not None:
+                    await anyio.wait_readable(fd)
+    finally:
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+    return [pid for pid in pids if is_running(pid)]
+
+
+async def _reaped(pid: int, timeout: float) -> str | None:
+    """The state of worker ``pid`` once reaped, or its state when ``timeout`` passed.
+
+    A fork server reaps its workers when the supervisor releases them, a message it
+    handles on its own time; no event tells us when it did, so this checks the process
+    table at short intervals, bounded.
+    """
+    deadline = time.monotonic() + timeout
+    while (state := process_state(pid)) is not None and time.monotonic() < deadline:
+        await anyio.sleep(0.005)
+    return state
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+# -- auditing a round --------------------------------------------------------------------
+
+
+@dataclass
+class Audit:
+    """What one round lost, and why (the round's description leads every problem)."""
+
+    lost: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    #: Leftovers of a known bug awaiting its fix, shown apart (see KNOWN_BUGS_PENDING).
+    known: Counter[str] = field(default_factory=Counter)
+
+    def fail(self, category: str | None, text: str, count: int = 1) -> None:
+        if category is not None:
+            self.lost[category] += count
+        self.problems.append(text)
+
+
+def _temp_entries(tmp: Path) -> set[str]:
+    return {p.name for p in tmp.iterdir() if p.name.startswith("aioelastic_")}
+
+
+_LOG_FILES = {"stdout.log", "stderr.log", "error.json"}
+
+
+def audit_files(rnd: Round, log_root: Path | None, audit: Audit) -> None:
+    """Only expected files in the log directory."""
+    if log_root is None or not log_root.exists():
+        return
+    for path in log_root.rglob("*"):
+        if not path.is_file() or (path.name in _LOG_FILES and path.parent.name.isdigit()):
+            continue
+        if not STRICT and path.name.startswith(".error-") and path.name.endswith(".json.tmp"):
+            audit.known["error-file temp files (pending fix)"] += 1
+        else:
+            audit.fail("temp files", f"unexpected file left in the log dir: {path}")
+
+
+def audit_temp_dirs(rnd: Round, tmp: Path, before: set[str], audit: Audit) -> Path | None:
+    """The rule of _pcontext._remove_temporary_logs: a temp dir is kept iff it holds a file.
+
+    Returns the round's temporary log directory, if one was kept.
+    """
+    new = sorted(_temp_entries(tmp) - before)
+    kept = None
+    for name in new:
+        path = tmp / name
+        files = [p for p in path.rglob("*") if p.is_file()]
+        if not rnd.temp_logs:
+            audit.fail("temp files", f"temp dir {name} made although log_dir was given")
+        elif not files:
+            audit.fail("temp files", f"empty temp dir {name} left behind")
+        kept = path
+    if len(new) > 1:
+        audit.fail("temp files", f"{len(new)} temp dirs for one context: {new}")
+    return kept
+
+
+def _common_prefix_length(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low] and a[:high] != b[:high]
+    while high - low > 1:
+        mid = (low + high) // 2
+        if a[:mid] == b[:mid]:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+def audit_logs(
+    rnd: Round, log_root: Path | None, seen: Seen, started: set[int], audit: Audit
+) -> None:
+    """Every byte each worker wrote to a redirected stream is in its log file."""
+    for rank, plan in enumerate(rnd.plans):
+        for stream, bit in (("stdout", Std.OUT), ("stderr", Std.ERR)):
+            if not rnd.redirects[rank] & bit or rank not in started:
+                continue
+            expected = (
+                soak.expected_output(plan["output"][stream]) if stream in plan["output"] else b""
+            )
+            path = None if log_root is None else log_root / str(rank) / f"{stream}.log"
+            if path is None or not path.exists():
+                audit.fail(
+                    "log lines",
+                    f"rank {rank} {stream}: log file {path} missing",
+                    expected.count(b"\n") + 1,
+                )
+                continue
+            content = path.read_bytes()
+            complete = rank in seen.wrote
+            # stderr may go on with a traceback (a raise, a SIGINT) after the planned bytes.
+            ok = (
+                content.startswith(expected)
+                if complete
+                else expected.startswith(content) or content.startswith(expected)
+            )
+            if stream == "stdout" and complete:
+                ok = content == expected
+            if not ok:
+                same = _common_prefix_length(content, expected)
+                lost = expected.count(b"\n") - expected[:same].count(b"\n") + 1
+                audit.fail(
+                    "log lines",
+                    f"rank {rank} {stream}: log has {len(content)} bytes, expected "
+                    f"{'all ' if complete else 'a prefix of '}{len(expected)}; they differ "
+                    f"after byte {same}",
+                    lost,
+                )
+
+
+def audit_result(
+    rnd: Round, result: aioelastic.RunProcsResult | None, released: dict[int, int], audit: Audit
+) -> None:
+    """The failures are exactly the injected ones (workers we stopped are not failures)."""
+    if result is None:
+        return
+    got = {r: f.exitcode for r, f in result.failures.items()}
+    if rnd.ending in ("trigger", "early", "natural", "close") and rnd.where != "signal":
+        if got != released:
+            audit.fail(None, f"failures {got}, injected {released}")
+    elif not (set(got) <= set(released) and all(released[r] == c for r, c in got.items())):
+        audit.fail(None, f"failures {got} are not among the injected {released}")
+    if rnd.ending == "burst" and not got:
+        audit.fail(None, f"no failure reported, injected {released}")
+    for rank, failure in result.failures.items():
+        if rnd.plans[rank]["kind"] == "raise" and "soak fault in rank" not in failure.message:
+            audit.fail(None, f"rank {rank}'s failure message lacks its error: {failure.message!r}")
+    if rnd.where != "here":
+        return
+    for rank, value in result.return_values.items():
+        plan = rnd.plans[rank]
+        want: Any = None
+        if rnd.method != "binary" and plan["kind"] == "ok":
+            want = rank * 10
+        elif rnd.method != "binary" and plan["kind"] == "big":
+            want = soak.big_value(plan["size"], plan["seed"])
+        if value != want:
+            audit.fail(None, f"rank {rank} returned a wrong value ({type(value).__name__})")
+    if rnd.ending == "natural" and set(result.return_values) != set(range(rnd.nprocs)):
+        audit.fail(None, f"return values only for ranks {sorted(result.return_values)}")
+
+
+def _release(rnd: Round, ranks: list[int], seen: Seen) -> dict[int, int]:
+    """Make these gated workers fail (or finish): SIGUSR1, or SIGKILL for ``sigkill``."""
+    injected = {}
+    for rank in ranks:
+        plan, pid = rnd.plans[rank], seen.ready[rank]
+        kind = plan["kind"]
+        os.kill(pid, signal.SIGKILL if kind == "sigkill" else signal.SIGUSR1)
+        if kind in FAULTS:
+            injected[rank] = plan["code"] if kind == "exit" else soak.FAULT_CODES[kind]
+    return injected
+
+
+# -- a round in this process -------------------------------------------------------------
+
+
+def _start(rnd: Round, log_dir: Path | None) -> aioelastic.PContext:
+    entry: Any = soak.run
+    args: dict[int, tuple[Any, ...]] = {r: (plan,) for r, plan in enumerate(rnd.plans)}
+    if rnd.method == "binary":
+        entry = sys.executable
+        args = {
+            r: ("-m", "tests.children.soak", "worker", json.dumps(plan))
+            for r, plan in enumerate(rnd.plans)
+        }
+    return aioelastic.start_processes(
+        f"soak{rnd.number}",
+        entry,
+        args,
+        {r: {soak.ROUND_MARK: rnd.mark} for r in args},
+        log_dir=log_dir,
+        start_method="spawn" if rnd.method == "binary" else rnd.method,
+        redirects={r: Std(v) for r, v in enumerate(rnd.redirects)},
+        grace_period=rnd.grace,
+    )
+
+
+async def run_here(
+    rnd: Round,
+    directory: Path,
+    tmp: Path,
+    audit: Audit,
+    faults: Counter[str],
+    contexts: list[aioelastic.PContext],
+) -> None:
+    """Run a round in this process, then audit it (``contexts`` gets its context)."""
+    fifo = SoakFifo(directory)
+    seen = Seen()
+    log_dir = None if rnd.temp_logs else directory / "logs"
+    fds_before = _open_fds()
+    zombies_before = set(_zombie_children())
+    temp_before = _temp_entries(tmp)
+    ctx = _start(rnd, log_dir)
+    contexts.append(ctx)
+    result: aioelastic.RunProcsResult | None = None
+    released: dict[int, int] = {}
+    if rnd.ending == "early":
+        assert rnd.trigger is not None
+        plan = rnd.plans[rnd.trigger]
+        released = {rnd.trigger: plan["code"] if plan["kind"] == "exit" else 1}
+    deadline = anyio.current_time() + rnd.cancel_after if rnd.ending == "cancel" else float("inf")
+    try:
+        with anyio.CancelScope(deadline=deadline) as cancel:
+            async with ctx:
+                await seen.until_ready(fifo, rnd.plans, ctx.wait)
+                if rnd.ending == "trigger":
+                    assert rnd.trigger is not None
+                    released = _release(rnd, [rnd.trigger], seen)
+                elif rnd.ending in ("burst", "cancel"):
+                    released = _release(
+                        rnd, [r for r, p in enumerate(rnd.plans) if p["kind"] in FAULTS], seen
+                    )
+                elif rnd.ending == "close_race":
+                    gated = [
+                        r for r, p in enumerate(rnd.plans) if p.get("gate") or p["kind"] in FAULTS
+                    ]
+                    released = _release(rnd, gated, seen)
+                    for _ in range(rnd.race_steps):
+                        await anyio.lowlevel.checkpoint()
+                    await ctx.close(rnd.close_sig)
+                elif rnd.ending == "close":
+                    await ctx.close(rnd.close_sig, rnd.grace)
+                result = await ctx.wait()
+        if cancel.cancelled_caught:
+            faults["supervisor cancelled"] += 1
+    finally:
+        seen.take(fifo.pending())
+        fifo.close()
+    pids = ctx.pids()
+    _count_faults(rnd, seen, released, faults)
+    try:
+        if rnd.ending != "cancel" or result is not None:
+            audit_result(rnd, result, released, audit)
+        await _audit_processes(rnd, pids, seen, zombies_before, audit)
+    finally:
+        seen.close()
+    kept = audit_temp_dirs(rnd, tmp, temp_before, audit)
+    log_root = kept if rnd.temp_logs else log_dir
+    audit_logs(rnd, log_root, seen, set(pids), audit)
+    audit_files(rnd, log_root, audit)
+    if kept is not None:
+        shutil.rmtree(kept)
+    audit_fds(fds_before, audit)
+
+
+def audit_fds(before: dict[int, str], audit: Audit) -> None:
+    """No descriptor opened since ``before`` is still open (warm helpers aside)."""
+    helper_fds = _long_lived_helper_fds()
+    leaked = {
+        fd: target
+        for fd, target in _open_fds().items()
+        if fd not in helper_fds and before.get(fd) != target
+    }
+    if leaked:
+        audit.fail("fds", f"file descriptors left open: {leaked}", len(leaked))
+
+
+async def _audit_processes(
+    rnd: Round, pids: dict[int, int], seen: Seen, zombies_before: set[int], audit: Audit
+) -> None:
+    """Count each live leftover and each zombie once, whichever check saw it first."""
+    alive: dict[int, str] = {}
+    zombies: dict[int, str] = {}
+    for rank, pid in pids.items():
+        # Our own children are reaped by the time close() returns; a fork server reaps
+        # its workers when released, moments later.
+        state = await _reaped(pid, 5.0) if rnd.method == "forkserver" else process_state(pid)
+        if state == "Z":
+            zombies[pid] = f"worker {rank}"
+        elif state is not None:
+            alive[pid] = f"worker {rank} (state {state})"
+    for pid, fd in seen.grandchildren.items():
+        if not _exited(fd):
+            alive.setdefault(pid, "grandchild")
+    for pgid, live in _platform.live_group_members(set(pids.values())).items():
+        for pid in live:
+            alive.setdefault(pid, f"member of worker group {pgid}")
+    for pid in processes_with_mark(rnd.mark):
+        alive.setdefault(pid, "carries the round's mark")
+    for pid in _zombie_children():
+        if pid not in zombies_before:
+            zombies.setdefault(pid, "child of the test process")
+    for pid, what in sorted(alive.items()):
+        audit.fail("processes", f"pid {pid} still alive: {what}")
+    for pid, what in sorted(zombies.items()):
+        audit.fail("zombies", f"pid {pid} is an unreaped zombie: {what}")
+    _kill_all(list(alive))
+    for pid in zombies:
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass  # a fork server's worker: not ours to reap
+
+
+def _count_faults(rnd: Round, seen: Seen, released: dict[int, int], faults: Counter[str]) -> None:
+    names = {"exit": "exit non-zero", "raise": "raise", "sigkill": "SIGKILL mid-run"}
+    for rank in released:
+        faults[names[rnd.plans[rank]["kind"]]] += 1
+    for rank, plan in enumerate(rnd.plans):
+        if rank not in seen.ready:
+            continue
+        kind = plan["kind"]
+        if kind == "ignore_term":
+            faults["ignores SIGTERM"] += 1
+        elif kind == "hang":
+            faults[f"hangs in a blocking call ({plan['block']})"] += 1
+        elif kind == "big":
+            faults["large return value"] += 1
+        for how in plan["children"]:
+            label = "escaped" if how in ("setsid", "daemon") else "in group"
+            faults[f"grandchild, {how} ({label})"] += 1
+        for stream in plan["output"].values():
+            faults["output streams"] += 1
+            faults["output lines"] += stream["lines"]
+            if not stream["newline"]:
+                faults["output without final newline"] += 1
+    if rnd.ending == "close_race":
+        faults["close() racing exits"] += 1
+    if rnd.ending == "close":
+        faults[f"close({signal.Signals(rnd.close_sig).name})"] += 1
+    if rnd.ending == "burst":
+        faults["faults released at once"] += 1
+    if rnd.ending == "early":
+        faults["fault while siblings start"] += 1
+    if rnd.where == "signal":
+        faults[f"{signal.Signals(rnd.signal_to_supervisor).name} to the supervisor"] += 1
+
+
+# -- a round in a supervising process of its own -----------------------------------------
+
+
+async def run_in_child(rnd: Round, directory: Path, audit: Audit, faults: Counter[str]) -> None:
+    """Run a round in a child supervisor; signal it or let it end; audit."""
+    fifo = SoakFifo(directory)
+    seen = Seen()
+    tmp = directory / "tmp"
+    tmp.mkdir()
+    log_dir = None if rnd.temp_logs else str(directory / "logs")
+    config = {
+        "plans": rnd.plans,
+        "method": rnd.method,
+        "log_dir": log_dir,
+        "redirects": rnd.redirects,
+        "grace": rnd.grace,
+        "subreaper": rnd.where == "subreaper",
+    }
+    env = {**os.environ, soak.ROUND_MARK: rnd.mark, "TMPDIR": str(tmp)}
+    released: dict[int, int] = {}
+    report: dict[str, Any] | None = None
+    pids: dict[int, int] = {}
+    zombies_before = set(_zombie_children())
+    proc = await anyio.open_process(
+        [sys.executable, "-m", "tests.children.soak", "supervise", json.dumps(config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=None,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdin is not None
+        out = BufferedByteReceiveStream(proc.stdout)
+        head = await out.receive_until(b"\n", 1 << 20)
+        pids = {int(k): v for k, v in json.loads(head.split(b" ", 1)[1]).items()}
+        await seen.until_ready(fifo, rnd.plans, proc.wait)
+        if rnd.ending == "signal":
+            proc.send_signal(rnd.signal_to_supervisor)
+        elif rnd.ending == "trigger":
+            assert rnd.trigger is not None
+            released = _release(rnd, [rnd.trigger], seen)
+        else:
+            await proc.stdin.send(b"close\n")
+        returncode = await proc.wait()
+        rest = b""
+        try:
+            while True:
+                rest += await out.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            pass
+        for line in rest.decode().splitlines():
+            if line.startswith("report "):
+                report = json.loads(line.split(" ", 1)[1])
+        graceful = rnd.ending != "signal" or rnd.signal_to_supervisor == signal.SIGINT
+        expected_rc = (
+            {signal.SIGINT: 130, signal.SIGTERM: -15, signal.SIGKILL: -9}.get(
+                rnd.signal_to_supervisor, 0
+            )
+            if rnd.ending == "signal"
+            else 0
+        )
+        if returncode != expected_rc:
+            audit.fail(None, f"supervisor exited {returncode}, expected {expected_rc}")
+        seen.take(fifo.pending())
+        if graceful:
+            # Its workers and their descendants were gone before it printed the report.
+            for rank, pid in pids.items():
+                if is_running(pid):
+                    audit.fail("processes", f"worker {rank} (pid {pid}) outlived close()")
+            for pid, fd in seen.grandchildren.items():
+                if not _exited(fd):
+                    audit.fail("processes", f"grandchild {pid} outlived close()")
+            if report is None:
+                audit.fail(None, "the supervisor printed no report")
+            else:
+                if report["zombies"]:
+                    audit.fail(
+                        "zombies",
+                        f"supervisor kept zombies {report['zombies']}",
+                        len(report["zombies"]),
+                    )
+                if report["live_children"]:
+                    audit.fail(
+                        "processes",
+                        f"supervisor still has children {report['live_children']}",
+                        len(report["live_children"]),
+                    )
+                if report["new_fds"]:
+                    audit.fail(
+                        "fds", f"supervisor leaked fds {report['new_fds']}", len(report["new_fds"])
+                    )
+                if rnd.ending != "signal":
+                    got = {int(r): c for r, c in report["failures"].items()}
+                    if got != released:
+                        audit.fail(None, f"failures {got}, injected {released}")
+    finally:
+        fifo.close()
+        await proc.aclose()
+    # Whatever the way it ended, every process of the round ends — after an abrupt death
+    # through the kernel's parent-death signal and the watchdog, which take a moment.
+    known = [*pids.values(), *seen.grandchildren]
+    left = await _all_exit(known, 10.0)
+    deadline = time.monotonic() + 10.0
+    marked = processes_with_mark(rnd.mark)
+    while marked and time.monotonic() < deadline:
+        marked = await _all_exit(marked, deadline - time.monotonic())
+    leftovers = sorted(set(left) | set(marked))
+    if leftovers:
+        audit.fail("processes", f"processes of the round still alive: {leftovers}", len(leftovers))
+        _kill_all(leftovers)
+    seen.close()
+    zombies = [z for z in _zombie_children() if z not in zombies_before]
+    if zombies:
+        audit.fail("zombies", f"unreaped children: {zombies}", len(zombies))
+    _count_faults(rnd, seen, released, faults)
+    graceful = rnd.ending != "signal" or rnd.signal_to_supervisor == signal.SIGINT
+    if graceful:
+        kept = audit_temp_dirs(rnd, tmp, set(), audit)
+        log_root = kept if rnd.temp_logs else Path(str(log_dir))
+        audit_logs(rnd, log_root, seen, set(pids), audit)
+        audit_files(rnd, log_root, audit)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``exc`` itself."""
+    inner = getattr(exc, "exceptions", None)
+    if inner is None:
+        return [exc]
+    return [leaf for e in inner for leaf in _leaves(e)]
+
+
+async def _rescue(rnd: Round, contexts: list[aioelastic.PContext], audit: Audit) -> None:
+    """Unstick a hung round: its shielded teardown waits for exits that never come.
+
+    ``fail_after`` cannot interrupt a shielded wait, so after the round's time is up
+    this kills what the round started, letting those waits end and the round fail.
+    """
+    await anyio.sleep(ROUND_TIMEOUT + 5)
+    pids = [p for ctx in contexts for p in ctx.pids().values()]
+    pids += processes_with_mark(rnd.mark)
+    audit.fail("processes", f"round hung; killed its processes {pids}", len(pids))
+    _kill_all(pids)
+
+
+# -- the soak ------------------------------------------------------------------------------
+
+
+def _table(
+    rounds: Counter[str],
+    faults: Counter[str],
+    lost: Counter[str],
+    known: Counter[str],
+    seed: int,
+    seconds: float,
+) -> str:
+    width = max(len(k) for k in [*faults, *rounds, *LOST, *known]) + 4
+    mode = "strict" if STRICT else "known bugs pending: early faults, SIGINT races off"
+    lines = [
+        f"aioelastic soak: seed {seed}, {sum(rounds.values())} rounds in {seconds:.1f} s ({mode})",
+        "rounds".ljust(width) + str(sum(rounds.values())),
+    ]
+    lines += [f"  {k}".ljust(width) + str(v) for k, v in sorted(rounds.items())]
+    lines.append("faults injected, by kind")
+    lines += [f"  {k}".ljust(width) + str(v) for k, v in sorted(faults.items())]
+    lines.append("lost")
+    lines += [f"  {k}".ljust(width) + str(lost[k]) for k in LOST]
+    if known:
+        lines.append("known, pending a fix (not counted as lost)")
+        lines += [f"  {k}".ljust(width) + str(v) for k, v in sorted(known.items())]
+    return "\n".join(lines)
+
+
+@pytest.fixture
+def private_tmp(tmp_path: Path) -> Iterator[Path]:
+    """Send every temporary directory of this test to a directory of its own.
+
+    The machine is shared: other runs create aioelastic_* directories in /tmp too.
+    """
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    saved = tempfile.tempdir
+    tempfile.tempdir = str(tmp)
+    try:
+        yield tmp
+    finally:
+        tempfile.tempdir = saved
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(_TEST_TIMEOUT)
+async def test_soak(tmp_path: Path, private_tmp: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seed = int(os.environ.get("AIOELASTIC_SOAK_SEED") or random.SystemRandom().randrange(1 << 32))
+    with capsys.disabled():
+        print(f"\naioelastic soak seed: {seed} (AIOELASTIC_SOAK_SEED={seed} repeats it)")
+    rounds: Counter[str] = Counter()
+    faults: Counter[str] = Counter()
+    lost: Counter[str] = Counter()
+    known: Counter[str] = Counter()
+    problems: list[str] = []
+    started = time.monotonic()
+    first = number = int(os.environ.get("AIOELASTIC_SOAK_FIRST_ROUND", "0"))
+    while (MAX_ROUNDS is None or number - first < MAX_ROUNDS) and (
+        MAX_SECONDS is None or time.monotonic() - started < MAX_SECONDS
+    ):
+        rng = random.Random(f"{seed}/{number}")
+        directory = tmp_path / f"round{number}"
+        directory.mkdir()
+        rnd = draw_round(rng, number, directory)
+        audit = Audit()
+        contexts: list[aioelastic.PContext] = []
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_rescue, rnd, contexts, audit)
+                with anyio.fail_after(ROUND_TIMEOUT):
+                    if rnd.where == "here":
+                        await run_here(rnd, directory, private_tmp, audit, faults, contexts)
+                    else:
+                        await run_in_child(rnd, directory, audit, faults)
+                tg.cancel_scope.cancel()
+        except Exception as exc:
+            for error in _leaves(exc):
+                where = traceback.format_tb(error.__traceback__)[-1].strip().replace("\n", " | ")
+                audit.fail(None, f"{type(error).__name__}: {error} (at {where})")
+            _kill_all(processes_with_mark(rnd.mark))
+        rounds[
+            f"in a supervising process ({rnd.where})" if rnd.where != "here" else "in this process"
+        ] += 1
+        lost.update(audit.lost)
+        known.update(audit.known)
+        problems += [f"{rnd.describe()}: {p}" for p in audit.problems]
+        number += 1
+    with capsys.disabled():
+        print(_table(rounds, faults, lost, known, seed, time.monotonic() - started))
+    assert not problems, "\n".join(problems)
+    assert all(lost[k] == 0 for k in LOST)
+
+
+# -- the audit itself, and races found by the soak -----------------------------------------
+
+
+async def test_the_audit_catches_what_a_round_leaves_behind(tmp_path: Path) -> None:
+    """Each audit fails on the leftover it exists for (so a clean soak means something)."""
+    stream = {"tag": "t", "lines": 100, "seed": 1, "newline": True, "long": 0}
+    plan = {"rank": 0, "kind": "hang", "children": [], "output": {"stdout": stream}}
+    rnd = Round(0, "here", "fork", [plan], [int(Std.OUT)], True, 0.0, "close")
+    audit = Audit()
+    # Two "workers" of the round: one nobody stopped, one killed but never reaped.
+    env = {**os.environ, soak.ROUND_MARK: rnd.mark}
+    alive = subprocess.Popen(["sleep", "1000"], env=env, process_group=0)
+    zombie = subprocess.Popen(["sleep", "1000"], env=env, process_group=0)
+    zombie.kill()
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)
+    await _audit_processes(rnd, {0: alive.pid, 1: zombie.pid}, Seen(), set(), audit)
+    alive.wait()  # killed by the audit
+    zombie.returncode = -signal.SIGKILL  # reaped by the audit
+    assert audit.lost["processes"] == 1
+    assert audit.lost["zombies"] == 1
+    # A log file missing its last lines, and an empty temporary directory.
+    logs = tmp_path / "logs"
+    (logs / "0").mkdir(parents=True)
+    (logs / "0" / "stdout.log").write_bytes(soak.expected_output(stream)[:-100])
+    audit_logs(rnd, logs, Seen(wrote={0}), {0}, audit)
+    assert audit.lost["log lines"] >= 2
+    tmp = tmp_path / "tmp"
+    (tmp / "aioelastic_x_1").mkdir(parents=True)
+    audit_temp_dirs(rnd, tmp, set(), audit)
+    (logs / "0" / "stray.tmp").write_text("{")
+    audit_files(rnd, logs, audit)
+    assert audit.lost["temp files"] == 2
+    before = _open_fds()
+    r, w = os.pipe()
+    audit_fds(before, audit)
+    os.close(r)
+    os.close(w)
+    assert audit.lost["fds"] == 2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core bug: a failure seen while siblings are still starting tears down only the "
+    "workers started so far; a sibling started after it is never stopped (and "
+    "__aexit__ waits for it forever). Proposed fix in the reliability report.",
+)
+@pytest.mark.timeout(60)
+async def test_a_failure_while_siblings_start_stops_them_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails before rank 1 is started: rank 1 must be stopped all the same.
+
+    Deterministic version of a race the soak finds (AIOELASTIC_SOAK_STRICT=1) and
+    tests/test_pcontext.py::test_unpicklable_return_value_fails_that_rank[fork] hits now
+    and then: rank 1's launch is held until rank 0's failure has been handled.
+    """
+    from aioelastic._teardown import stop_workers
+    from tests.children import core
+
+    fifo = ReadyFifo(tmp_path)
+    real = _launchers.on_launcher_thread
+    forks = 0
+    first: list[int] = []
+    first_started = anyio.Event()
+
+    async def held(fn: Callable[..., Any], *args: object) -> Any:
+        nonlocal forks
+        if fn is not _launchers.start_fork:
+            return await real(fn, *args)
+        forks += 1
+        if forks == 1:
+            launched = await real(fn, *args)
+            first.append(launched.pid)
+            first_started.set()
+            return launched
+        await first_started.wait()
+        pidfd = os.pidfd_open(first[0])
+        try:
+            await anyio.wait_readable(pidfd)  # rank 0 exited...
+        finally:
+            os.close(pidfd)
+        await anyio.wait_all_tasks_blocked()  # ...and the supervisor has reacted
+        return await real(fn, *args)
+
+    monkeypatch.setattr(_launchers, "on_launcher_thread", held)
+    ctx = aioelastic.start_processes(
+        "early",
+        core.behave,
+        {0: ("exit", 3), 1: ("block", str(fifo.path))},
+        {0: {}, 1: {}},
+        start_method="fork",
+        grace_period=1,
+    )
+    done = anyio.Event()
+    result: list[aioelastic.RunProcsResult | None] = []
+
+    async def supervise() -> None:
+        async with ctx:
+            result.append(await ctx.wait())
+        done.set()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(supervise)
+            with anyio.move_on_after(8):  # well under a second once fixed
+                await done.wait()
+            in_time = done.is_set()
+            if not in_time:
+                # The bug: rank 1 was never signalled and the block waits for its exit.
+                # Stop the missed workers with the core's own teardown to end the test.
+                left = [w for w in ctx._workers.values() if not w.reaped]
+                await stop_workers(left, signal.SIGKILL, 0, anyio.Event())
+    finally:
+        fifo.close()
+    assert in_time, "rank 1, started after rank 0 failed, was never stopped"
+    assert result[0] is not None
+    assert {r: f.exitcode for r, f in result[0].failures.items()} == {0: 3}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="errors bug: write_error_file names its temporary file before writing it "
+    "(mkstemp + os.replace), so a worker killed in between leaves .error-*.json.tmp in "
+    "its log dir. Proposed fix (O_TMPFILE + link) in the reliability report.",
+)
+@pytest.mark.timeout(60)
+async def test_a_worker_killed_while_writing_its_error_file_leaves_no_temp_file(
+    tmp_path: Path,
+) -> None:
+    """The soak's "temp files" finding, made deterministic.
+
+    Two ways a worker dies while recording an error: the supervisor's SIGTERM/SIGKILL
+    of a failed group reaching a sibling that is raising too, or a close() with SIGINT
+    (KeyboardInterrupt is recorded) followed by SIGKILL. The worker here stops right
+    before it publishes the file, and is SIGKILLed there.
+    """
+    fifo = ReadyFifo(tmp_path)
+    log_dir = tmp_path / "logs"
+    try:
+        async with aioelastic.start_processes(
+            "errfile",
+            soak.stop_while_publishing_error_file,
+            {0: (str(fifo.path),)},
+            {0: {}},
+            log_dir=log_dir,
+            start_method="fork",
+        ) as ctx:
+            word, pid = (await fifo.lines(1))[0].split()
+            assert word == "publishing"
+            os.kill(int(pid), signal.SIGKILL)
+            result = await ctx.wait()
+    finally:
+        fifo.close()
+    assert result is not None
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    left = sorted(p.name for p in (log_dir / "0").iterdir())
+    assert left == [], f"left in the worker's log dir: {left}"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bootstrap bug: an exception in forked_worker's exit path (a KeyboardInterrupt "
+    "from close(SIGINT) arriving while it flushes stdio) skips os._exit: the child unwinds "
+    "into the launcher thread (exits 0: 'sent no return value' failure) or runs on as a copy "
+    "of the fork server's loop. Proposed fix in the reliability report.",
+)
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.timeout(60)
+async def test_an_interrupt_on_a_workers_way_out_keeps_its_exit_status(method: str) -> None:
+    """Found by the soak (close(SIGINT) racing exits): a worker's sys.exit(7) became exit 0."""
+    result = await aioelastic.run_processes(
+        "way_out",
+        soak.exit_interrupted_on_the_way_out,
+        {0: (7,)},
+        {0: {}},
+        start_method=method,
+        grace_period=5,
+    )
+    failure = result.failures[0]
+    assert failure.exitcode == 7, failure.message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="core bug: _on_exit reports a worker that exited 0 without a return value as a "
+    "failure even when the supervisor had signalled it (a graceful SIGTERM handler doing "
+    "os._exit(0)); stopped workers are not failures. Proposed fix in the reliability report.",
+)
+@pytest.mark.timeout(60)
+async def test_a_stopped_worker_that_exits_0_is_not_a_failure(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "graceful", soak.exit_0_on_sigterm, {0: (str(fifo.path),)}, {0: {}}, start_method="fork"
+        ) as ctx:
+            await fifo.lines(1)
+            await ctx.close()
+            result = await ctx.wait()
+    finally:
+        fifo.close()
+    assert result is not None
+    assert result.failures == {}
+
+
+async def test_default_mode_cannot_stop_a_descendant_in_its_own_session(tmp_path: Path) -> None:
+    """The documented limit (README "Limits"): without subreaper mode a ``setsid`` escapes.
+
+    Run in a supervisor of its own that is a subreaper for the kernel only, so the escaped
+    process is re-parented to it: aioelastic's default mode does not stop it at close(),
+    the supervisor reports it alive, then kills and reaps it itself. The soak's subreaper
+    rounds show the same descendants stopped when subreaper mode is on.
+    """
+    fifo = SoakFifo(tmp_path)
+    plan = {
+        "rank": 0,
+        "kind": "hang",
+        "fifo": str(fifo.path),
+        "block": "event",
+        "children": ["setsid", "daemon"],
+        "output": {},
+    }
+    config = {
+        "plans": [plan],
+        "method": "fork",
+        "log_dir": str(tmp_path / "logs"),
+        "redirects": [0],
+        "grace": 0.5,
+        "kernel_subreaper_only": True,
+    }
+    seen = Seen()
+    try:
+        async with await anyio.open_process(
+            [sys.executable, "-m", "tests.children.soak", "supervise", json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+        ) as proc:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            out = BufferedByteReceiveStream(proc.stdout)
+            await out.receive_until(b"\n", 1 << 20)
+            await seen.until_ready(fifo, [plan], proc.wait)
+            await proc.stdin.send(b"close\n")
+            line = await out.receive_until(b"\n", 1 << 20)
+            assert await proc.wait() == 0
+    finally:
+        fifo.close()
+        seen.close()
+    report = json.loads(line.split(b" ", 1)[1])
+    assert sorted(report["escaped_alive"]) == sorted(seen.grandchildren)
+    assert len(seen.grandchildren) == 2
+    assert report["zombies"] == []
