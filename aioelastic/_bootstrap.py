@@ -156,13 +156,18 @@ def forked_worker(
     except BaseException:
         traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        # Never run the parent's atexit handlers or unwind into its event loop.
-        os._exit(code)
+        # Never run the parent's atexit handlers or unwind into its code. os._exit has a
+        # finally of its own: an exception while flushing (a KeyboardInterrupt from the
+        # supervisor's SIGINT arriving just then) must not skip it, or this child would
+        # carry on as a copy of the launcher thread or of the fork server's loop.
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+        finally:
+            os._exit(code)
 
 
 def _reset_inherited_signal_state() -> None:

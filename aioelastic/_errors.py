@@ -112,17 +112,56 @@ def _write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) ->
     path = os.fspath(path)
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
+    body = json.dumps(data).encode("utf-8")
+    # An unnamed file (O_TMPFILE) gets its name only once complete: a worker killed while
+    # writing it (the supervisor's SIGKILL after a grace period) leaves nothing behind.
+    if _write_unnamed_then_link(directory, os.path.basename(path), body):
+        return
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".error-", suffix=".json.tmp")
     try:
         # mkstemp creates the file 0600; torch's plain open() gives the usual 0644.
         os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f)
+        _write_all(fd, body)
+        os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_unnamed_then_link(directory: str, name: str, body: bytes) -> bool:
+    """Write ``body`` to an unnamed file in ``directory``, then name it; ``False`` if not done.
+
+    Not done where ``O_TMPFILE`` is missing (platform, filesystem) or ``name`` exists.
+    """
+    try:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o644, dir_fd=dir_fd)
+        except (AttributeError, OSError):
+            return False
+        try:
+            _write_all(fd, body)
+            # A dir_fd makes os.link use linkat(AT_SYMLINK_FOLLOW), which names the open
+            # file itself rather than the /proc symlink.
+            os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd)
+        except FileExistsError:
+            return False  # an earlier error file: replaced by the caller, as torch does
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    return True
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _report_write_failure(path: str | os.PathLike[str], error: BaseException) -> None:

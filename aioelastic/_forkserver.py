@@ -112,16 +112,20 @@ class _Server:
         server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            from ._bootstrap import forked_worker
+            try:
+                from ._bootstrap import forked_worker
 
-            forked_worker(
-                parent_pid=server_pid,
-                stdout_fd=stdout_w,
-                stderr_fd=stderr_w,
-                result_fd=result_w,
-                close_fds=private,
-                payload_fd=payload_r,
-            )
+                forked_worker(
+                    parent_pid=server_pid,
+                    stdout_fd=stdout_w,
+                    stderr_fd=stderr_w,
+                    result_fd=result_w,
+                    close_fds=private,
+                    payload_fd=payload_r,
+                )
+            finally:
+                # Never carry on as a second copy of the server loop, on its socket.
+                os._exit(1)
         try:
             os.setpgid(pid, pid)
         except OSError:

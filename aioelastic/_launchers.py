@@ -219,14 +219,19 @@ def start_fork(
         if pid != 0:
             _subreaper.own_children.add(pid)
     if pid == 0:
-        forked_worker(
-            parent_pid=parent,
-            stdout_fd=stdout_fd,
-            stderr_fd=stderr_fd,
-            result_fd=result_fd,
-            close_fds=parent_side_fds,
-            call=call,
-        )
+        try:
+            forked_worker(
+                parent_pid=parent,
+                stdout_fd=stdout_fd,
+                stderr_fd=stderr_fd,
+                result_fd=result_fd,
+                close_fds=parent_side_fds,
+                call=call,
+            )
+        finally:
+            # forked_worker never returns; this catches an exception raised before its
+            # own try (a signal at its first line), which must not unwind into the pool.
+            os._exit(1)
     # Both sides call setpgid: whichever runs first wins, so a signal to the group can
     # never arrive before the group exists.
     try:

@@ -71,6 +71,7 @@ class PContext:
         self._failures: dict[int, ProcessFailure] = {}
         self._return_values: dict[int, Any] = {}
         self._entered = False
+        self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
@@ -111,6 +112,11 @@ class PContext:
             await self.close()
             await self._tg.__aexit__(None, None, None)
             raise exc
+        self._started = True
+        if self._failures:
+            # A worker failed while its siblings were still starting: its teardown was
+            # held back until now, so that it covers every worker that was started.
+            self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
         return self
 
     def _prepare(self) -> dict[int, _Prepared]:
@@ -325,7 +331,9 @@ class PContext:
     def _on_exit(self, worker: WorkerProcess) -> None:
         if worker.returncode == 0:
             problem = self._collect_return_value(worker)
-            if problem is not None:
+            # A worker we stopped may exit 0 without a value (a SIGTERM handler that
+            # calls os._exit(0)): stopped, not failed.
+            if problem is not None and not worker.signalled:
                 self._record_failure(worker, problem)
         elif not worker.signalled:
             self._record_failure(worker, None)
@@ -359,7 +367,7 @@ class PContext:
             failure.message = f"worker {worker.local_rank} {problem}"
         first = not self._failures
         self._failures[worker.local_rank] = failure
-        if first and self._tg is not None:
+        if first and self._started and self._tg is not None:
             # A failed group is torn down the moment the failure is seen, whether or not
             # anyone is in wait() right now.
             self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)

@@ -47,6 +47,24 @@ def _state(pid: int) -> str | None:
     return stat[stat.rindex(b")") + 2 :].split()[0].decode()
 
 
+def _live_children(parent: int) -> list[int]:
+    """Running children of ``parent``. Fork-method and fork-server workers never exec, so
+    their /proc environ is their parent's original one, without the test's mark."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
+            found.append(int(entry))
+    return found
+
+
 def _zombie_children() -> list[int]:
     me = os.getpid()
     zombies = []
@@ -85,6 +103,12 @@ def _long_lived_helper_pids() -> set[int]:
     return pids
 
 
+def _forkserver_pids() -> list[int]:
+    from aioelastic import _forkserver
+
+    return list(_forkserver.running_server_pids())
+
+
 def _long_lived_helper_fds() -> set[int]:
     from aioelastic import _forkserver
     from aioelastic._watchdog import watchdog
@@ -109,6 +133,10 @@ def no_leaks() -> Iterator[None]:
     problems = []
     helpers = _long_lived_helper_pids()
     leaked = [pid for pid in _processes_with_mark(mark) if pid not in helpers]
+    # Workers that never exec'd (fork, fork server) do not show the mark: look for them as
+    # children of this process and of the warm fork servers.
+    for parent in [os.getpid(), *_forkserver_pids()]:
+        leaked += [p for p in _live_children(parent) if p not in helpers and p not in leaked]
     if leaked:
         problems.append(f"live processes left behind: {leaked}")
         for pid in leaked:

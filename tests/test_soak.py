@@ -94,7 +94,7 @@ _TEST_TIMEOUT = (
 #: - test_an_interrupt_on_a_workers_way_out_keeps_its_exit_status and
 #:   test_a_stopped_worker_that_exits_0_is_not_a_failure: close(SIGINT) racing the workers'
 #:   own exits reports a sys.exit(n) as "exited 0 without a return value" (not drawn).
-KNOWN_BUGS_PENDING = True
+KNOWN_BUGS_PENDING = False
 STRICT = os.environ.get("AIOELASTIC_SOAK_STRICT", "0" if KNOWN_BUGS_PENDING else "1") == "1"
 
 KIND_WEIGHTS = {
@@ -1005,12 +1005,6 @@ async def test_the_audit_catches_what_a_round_leaves_behind(tmp_path: Path) -> N
     assert audit.lost["fds"] == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: a failure seen while siblings are still starting tears down only the "
-    "workers started so far; a sibling started after it is never stopped (and "
-    "__aexit__ waits for it forever). Proposed fix in the reliability report.",
-)
 @pytest.mark.timeout(60)
 async def test_a_failure_while_siblings_start_stops_them_too(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -1084,12 +1078,6 @@ async def test_a_failure_while_siblings_start_stops_them_too(
     assert {r: f.exitcode for r, f in result[0].failures.items()} == {0: 3}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="errors bug: write_error_file names its temporary file before writing it "
-    "(mkstemp + os.replace), so a worker killed in between leaves .error-*.json.tmp in "
-    "its log dir. Proposed fix (O_TMPFILE + link) in the reliability report.",
-)
 @pytest.mark.timeout(60)
 async def test_a_worker_killed_while_writing_its_error_file_leaves_no_temp_file(
     tmp_path: Path,
@@ -1124,13 +1112,6 @@ async def test_a_worker_killed_while_writing_its_error_file_leaves_no_temp_file(
     assert left == [], f"left in the worker's log dir: {left}"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bootstrap bug: an exception in forked_worker's exit path (a KeyboardInterrupt "
-    "from close(SIGINT) arriving while it flushes stdio) skips os._exit: the child unwinds "
-    "into the launcher thread (exits 0: 'sent no return value' failure) or runs on as a copy "
-    "of the fork server's loop. Proposed fix in the reliability report.",
-)
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 @pytest.mark.timeout(60)
 async def test_an_interrupt_on_a_workers_way_out_keeps_its_exit_status(method: str) -> None:
@@ -1147,12 +1128,6 @@ async def test_an_interrupt_on_a_workers_way_out_keeps_its_exit_status(method: s
     assert failure.exitcode == 7, failure.message
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core bug: _on_exit reports a worker that exited 0 without a return value as a "
-    "failure even when the supervisor had signalled it (a graceful SIGTERM handler doing "
-    "os._exit(0)); stopped workers are not failures. Proposed fix in the reliability report.",
-)
 @pytest.mark.timeout(60)
 async def test_a_stopped_worker_that_exits_0_is_not_a_failure(tmp_path: Path) -> None:
     fifo = ReadyFifo(tmp_path)
