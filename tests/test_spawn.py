@@ -115,3 +115,9 @@ async def test_torch_gloo_all_reduce_on_four_workers() -> None:
         children.torch_spawn_all_reduce, args=(world_size, free_port()), nprocs=world_size
     )
     assert values == [float(sum(range(1, world_size + 1)))] * world_size
+
+
+@pytest.mark.asyncio
+async def test_a_function_spawn_cannot_pickle_is_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="cannot be pickled for start_method='spawn'"):
+        await spawn(lambda i: i, nprocs=2)
