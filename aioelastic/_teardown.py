@@ -54,16 +54,20 @@ async def stop_workers(
             worker.signalled = True
         _platform.signal_group(worker.pid, death_sig)
 
+    emptied = False
     if death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set():
         with anyio.move_on_after(grace_period):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on, escalate, tg.cancel_scope)
-                await _groups_empty(pending, pgids, children_timeout=None)
+                emptied = await _groups_empty(pending, pgids, children_timeout=None)
                 tg.cancel_scope.cancel()
 
-    for pgid in pgids:
-        _platform.signal_group(pgid, signal.SIGKILL)
-    await _groups_empty(pending, pgids, children_timeout=CHILDREN_KILL_TIMEOUT)
+    # Groups seen empty once every leader had exited stay empty: only a live member could
+    # fork a new one. Otherwise SIGKILL whatever is left.
+    if not emptied:
+        for pgid in pgids:
+            _platform.signal_group(pgid, signal.SIGKILL)
+        await _groups_empty(pending, pgids, children_timeout=CHILDREN_KILL_TIMEOUT)
     for worker in pending:
         worker.launched.watch.reap()
         worker.reaped = True
@@ -78,11 +82,18 @@ async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
 
 async def _groups_empty(
     workers: Sequence[WorkerProcess], pgids: set[int], children_timeout: float | None
-) -> None:
-    """Wait until every worker exited and no other member of their groups runs."""
+) -> bool:
+    """Wait until every worker exited and no other member of their groups runs.
+
+    Returns ``True`` when the groups had no live member left once the leaders were gone
+    (so nothing else needs signalling), ``False`` when members had to be waited for, or
+    could not be (no pidfds).
+    """
     for worker in workers:
         await worker.exited.wait()
     members = _platform.live_group_members(pgids)
+    if not members:
+        return True
     pidfds = []
     for pids in members.values():
         for pid in pids:
@@ -90,7 +101,7 @@ async def _groups_empty(
             if fd is not None:
                 pidfds.append(fd)
     if not pidfds:
-        return
+        return False
     try:
         with anyio.move_on_after(
             children_timeout if children_timeout is not None else float("inf")
@@ -107,3 +118,4 @@ async def _groups_empty(
     finally:
         for fd in pidfds:
             os.close(fd)
+    return False
