@@ -79,6 +79,12 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         help="keep the run directory (drivers' logs) and print its path",
     )
     parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="print the table (and draw --plot) of an earlier run's --json FILE; runs nothing",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print what would run (systems, N, repetitions) and exit",
@@ -143,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     measures = all_measures()
     args = _parser(measures).parse_args(args_list)
     selected = _select(measures, args.only)
+    if args.from_json:
+        document = json.loads(args.from_json.read_text())
+        results = [Series(**entry) for entry in document["series"]]
+        ran = {s.measure for s in results}
+        _report(document["meta"], [m for m in selected if m.name in ran], results, args.plot)
+        return 0
     meta = _meta(args_list, args.quick)
     plan = Plan(measures=selected, quick=args.quick, ns=args.ns, reps=args.reps)
     if args.dry_run:
@@ -164,6 +176,16 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_end"] = os.getloadavg()
+    rows = _report(meta, selected, results, args.plot)
+    if args.json:
+        _write_json(args.json, meta, results, rows)
+    return 1 if any(s.status == "error" for s in results) else 0
+
+
+def _report(
+    meta: dict[str, Any], selected: list[Measure], results: list[Series], plot_path: Path | None
+) -> list[dict[str, Any]]:
+    """Print the run's header line and table (and draw the plot); return the table rows."""
     rows = build_rows(selected, results)
     print(
         f"<!-- {meta['command']} | {meta['date']} | commit {meta['git_commit']} | "
@@ -173,11 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     problems = render_problems(results)
     if problems:
         print("Not measured:\n" + problems)
-    if args.json:
-        _write_json(args.json, meta, results, rows)
-    if args.plot:
-        plot(results, args.plot)
-    return 1 if any(s.status == "error" for s in results) else 0
+    if plot_path:
+        plot(results, plot_path)
+    return rows
 
 
 def _describe(plan: Plan) -> str:

@@ -262,7 +262,7 @@ def plot(results: list[Series], path: Path) -> bool:
             color=colour[variant],
             marker="o",
             linewidth=2.2 if family == "aioelastic" else 1.4,
-            label=f"{family} / {variant}",
+            label=f"{family} / {variant}" + (" (to exit)" if variant == "python -S" else ""),
         )
     ns = sorted({p[0] for points in curves.values() for p in points})
     axes.set_xscale("log", base=2)

@@ -66,6 +66,11 @@ def test_quick_floor_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert len(series) == 6
     assert all(len(s["samples"]) == 2 for s in series)
 
+    # The JSON holds everything the table needs: re-rendering it prints the same table.
+    again = _run("--from-json", str(out), timeout=30)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == proc.stdout
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
