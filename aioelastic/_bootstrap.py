@@ -40,8 +40,6 @@ class FunctionCall:
 
 def run_call(call: FunctionCall, result_fd: int) -> int:
     """Run the call, report its outcome, and return the process exit code."""
-    from ._errors import write_error_file
-
     try:
         value = call.fn(*call.args)
     except SystemExit as exc:
@@ -56,7 +54,7 @@ def run_call(call: FunctionCall, result_fd: int) -> int:
         os.close(result_fd)
         # Printed as well as recorded: the traceback then also reaches stderr logs.
         traceback.print_exc()
-        write_error_file(call.error_file, exc)
+        _record(call.error_file, exc)
         return 1
     try:
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
@@ -68,13 +66,20 @@ def run_call(call: FunctionCall, result_fd: int) -> int:
             f"supervisor: {exc}"
         )
         print(message, file=sys.stderr, flush=True)
-        write_error_file(call.error_file, exc, message=message)
+        _record(call.error_file, exc, message=message)
         return 1
     try:
         send_result(result_fd, payload)
     except BrokenPipeError:
         return 1  # the supervisor is gone; the parent-death signal follows
     return 0
+
+
+def _record(error_file: str, exc: BaseException, message: str | None = None) -> None:
+    # Imported only on failure: a worker that succeeds never loads the error machinery.
+    from ._errors import write_error_file
+
+    write_error_file(error_file, exc, message=message)
 
 
 def _exit_code_of(exc: SystemExit) -> int:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 import struct
 
-import anyio
-
 _HEADER = struct.Struct("=Q")
 _CHUNK = 1 << 20
 
@@ -69,6 +67,10 @@ class ResultReceiver:
 
     async def run(self) -> None:
         """Read until the message is complete or the pipe reaches end-of-file."""
+        # Imported here: the worker side of this module (send_result) runs in every
+        # spawned worker, which should not pay for importing anyio.
+        import anyio
+
         while self._fd is not None and not self.drain():
             await anyio.wait_readable(self._fd)
 
