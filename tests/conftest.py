@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from aioelastic._platform import children_of
+from tests.waits import process_state
+
 MARK_VAR = "AIOELASTIC_TEST_MARK"
 
 
@@ -33,53 +36,19 @@ def _processes_with_mark(mark: str) -> list[int]:
                 environ = f.read()
         except OSError:
             continue
-        if needle in environ.split(b"\0") and _state(int(entry)) not in ("Z", "X", None):
+        if needle in environ.split(b"\0") and process_state(int(entry)) not in ("Z", "X", None):
             found.append(int(entry))
     return found
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
 
 
 def _live_children(parent: int) -> list[int]:
     """Running children of ``parent``. Fork-method and fork-server workers never exec, so
     their /proc environ is their parent's original one, without the test's mark."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if int(fields[1]) == parent and fields[0] not in (b"Z", b"X"):
-            found.append(int(entry))
-    return found
+    return [pid for pid, state in children_of(parent).items() if state not in ("Z", "X")]
 
 
 def _zombie_children() -> list[int]:
-    me = os.getpid()
-    zombies = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        if fields[0] == b"Z" and int(fields[1]) == me:
-            zombies.append(int(entry))
-    return zombies
+    return [pid for pid, state in children_of(os.getpid()).items() if state == "Z"]
 
 
 def _open_fds() -> dict[int, str]:
