@@ -15,7 +15,7 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -94,19 +94,15 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
-def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
-    """The running (non-zombie) processes of each process group in ``pgids``.
+def _processes() -> Iterator[tuple[int, str, int, int]]:
+    """``(pid, state letter, ppid, pgrp)`` of every process, in one pass over ``/proc``.
 
-    One pass over ``/proc``; a group with no live member is absent from the result.
-    Used only during teardown, to wait for and kill the children of workers.
+    A process that exits while being read is skipped.
     """
-    members: dict[int, list[int]] = {}
-    if not pgids:
-        return members
     try:
         entries = os.listdir("/proc")
     except OSError:
-        return members
+        return
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -117,34 +113,28 @@ def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
             continue
         # The command name may contain spaces and parentheses: fields start after the
         # last ')'. Fields from there: state, ppid, pgrp.
-        fields = stat[stat.rindex(b")") + 2 :].split(None, 3)
-        if fields[0] in (b"Z", b"X"):
-            continue
-        pgrp = int(fields[2])
-        if pgrp in pgids:
-            members.setdefault(pgrp, []).append(int(entry))
+        state, ppid, pgrp, _ = stat[stat.rindex(b")") + 2 :].split(None, 3)
+        yield int(entry), state.decode(), int(ppid), int(pgrp)
+
+
+def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
+    """The running (non-zombie) processes of each process group in ``pgids``.
+
+    A group with no live member is absent from the result. Used only during teardown,
+    to wait for and kill the children of workers.
+    """
+    members: dict[int, list[int]] = {}
+    if not pgids:
+        return members
+    for pid, state, _, pgrp in _processes():
+        if pgrp in pgids and state not in ("Z", "X"):
+            members.setdefault(pgrp, []).append(pid)
     return members
 
 
 def children_of(parent: int) -> dict[int, str]:
     """The children of ``parent`` (pid -> /proc state letter), zombies included."""
-    children: dict[int, str] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return children
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(b")") + 2 :].split(None, 2)
-        if int(fields[1]) == parent:
-            children[int(entry)] = fields[0].decode()
-    return children
+    return {pid: state for pid, state, ppid, _ in _processes() if ppid == parent}
 
 
 def signal_group(pgid: int, sig: int) -> bool:
