@@ -1,6 +1,6 @@
 """Run four workers, collect their return values, then watch a failure stop the group.
 
-    python examples/quickstart.py
+python examples/quickstart.py
 """
 
 from __future__ import annotations
