@@ -9,9 +9,12 @@ warm :mod:`._forkserver`) for a process, whose child side is :mod:`._bootstrap`;
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import os
 import pickle
+import resource
 import shutil
 import signal
 import socket
@@ -22,15 +25,16 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
-from . import _launchers
+from . import _launchers, _platform
 from ._bootstrap import FunctionCall
 from ._console import console
-from ._errors import ProcessFailure
+from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
 from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
@@ -46,6 +50,21 @@ logger = logging.getLogger("aioelastic")
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
 IO_DRAIN_TIMEOUT = 2.0
+#: How long building a failure report (reading the error file, off the event loop) may
+#: take. Past it the report is made without the file: an error file replaced by a FIFO
+#: or a hung network filesystem must not hold up the exit path.
+REPORT_TIMEOUT = 10.0
+#: Exit code reported for a worker whose exit status the kernel would not give (it was
+#: reaped behind our back); its failure message says so.
+UNKNOWN_EXIT_CODE = 1
+
+# Start errors that mean a resource limit was hit, and the limit to name in the message.
+_LIMIT_HINTS = {
+    errno.EMFILE: ("too many open files", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.ENFILE: ("too many open files in the system", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.EAGAIN: ("cannot create another process", "ulimit -u", resource.RLIMIT_NPROC),
+    errno.ENOMEM: ("out of memory", "ulimit -v", resource.RLIMIT_AS),
+}
 
 
 @dataclass(frozen=True)
@@ -67,15 +86,14 @@ class PContext:
 
     def __init__(self, spec: LaunchSpec) -> None:
         self._spec = spec
-        self._workers: dict[int, WorkerProcess] = {}
-        self._failures: dict[int, ProcessFailure] = {}
-        self._return_values: dict[int, Any] = {}
+        self._workers: list[WorkerProcess] = []
         self._entered = False
         self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
         self._stopping = False
+        self._stop_scheduled = False
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
         self._io_finished = False
@@ -94,7 +112,13 @@ class PContext:
 
     def pids(self) -> dict[int, int]:
         """Pid of each started worker, by local rank."""
-        return {rank: w.pid for rank, w in sorted(self._workers.items())}
+        return {w.local_rank: w.pid for w in self._ranked()}
+
+    def _ranked(self) -> list[WorkerProcess]:
+        return sorted(self._workers, key=lambda w: w.local_rank)
+
+    def _failed(self) -> bool:
+        return any(w.failure is not None for w in self._workers)
 
     # -- starting ---------------------------------------------------------------------
 
@@ -102,6 +126,7 @@ class PContext:
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
+        _platform.ensure_default_sigchld()
         prepared = self._prepare()
         await _launchers.on_launcher_thread(watchdog.ensure_started)
         self._tg = anyio.create_task_group()
@@ -113,10 +138,9 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
-        if self._failures:
-            # A worker failed while its siblings were still starting: its teardown was
-            # held back until now, so that it covers every worker that was started.
-            self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
+        # A worker that failed while its siblings were still starting had its teardown
+        # held back until now, so that it covers every worker that was started.
+        self._stop_if_failed()
         return self
 
     def _prepare(self) -> dict[int, _Prepared]:
@@ -201,25 +225,34 @@ class PContext:
             stdout_pump.open_log()
             stderr_pump.open_log()
             launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
-        except BaseException:
+        except BaseException as exc:
             for fd in parent_ends:
                 os.close(fd)
-            raise
+            _raise_start_error(exc, rank, self.name)
         finally:
             for fd in child_ends:
                 os.close(fd)
-        watchdog.watch(launched.pid)
-        worker = WorkerProcess(
-            local_rank=rank,
-            launched=launched,
-            error_file=prepared.error_file,
-            stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
-            stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
-            stdout=stdout_pump,
-            stderr=stderr_pump,
-            result=ResultReceiver(res_r) if res_r >= 0 else None,
-        )
-        self._workers[rank] = worker
+        try:
+            watchdog.watch(launched.pid)
+            worker = WorkerProcess(
+                local_rank=rank,
+                launched=launched,
+                error_file=prepared.error_file,
+                stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
+                stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
+                stdout=stdout_pump,
+                stderr=stderr_pump,
+                result=ResultReceiver(res_r) if res_r >= 0 else None,
+            )
+        except BaseException as exc:
+            # The process exists but nothing would ever stop or reap it: do both now.
+            with anyio.CancelScope(shield=True):
+                await _launchers.on_launcher_thread(_launchers.kill_and_reap, launched)
+            watchdog.forget(launched.pid)
+            for fd in parent_ends:
+                os.close(fd)
+            _raise_start_error(exc, rank, self.name)
+        self._workers.append(worker)
         self._tg.start_soon(self._monitor, worker)
         self._run_io(stdout_pump.run)
         self._run_io(stderr_pump.run)
@@ -318,58 +351,126 @@ class PContext:
     # -- watching ---------------------------------------------------------------------
 
     async def _monitor(self, worker: WorkerProcess) -> None:
-        # Shielded: the exit always comes (teardown guarantees it) and teardown itself
-        # waits for this task to record it.
-        with anyio.CancelScope(shield=True):
-            returncode = await worker.launched.watch.wait()
-        worker.exit_time = time.time()
-        worker.returncode = returncode
-        worker.drain_output()
-        worker.exited.set()
-        self._on_exit(worker)
+        """Record the worker's exit, then its outcome — whatever fails on the way.
 
-    def _on_exit(self, worker: WorkerProcess) -> None:
-        if worker.returncode == 0:
+        The one rule of the exit path: the exit is always recorded (``exited``), with the
+        real exit status, and the outcome always settled (``settled``); a fault while
+        reading the status, the output, the return value or the error file becomes part
+        of this rank's failure instead of escaping. Teardown waits on both events.
+        Shielded: the exit always comes (teardown guarantees it).
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                with worker.watch_scope:
+                    worker.returncode = await worker.launched.watch.wait()
+                if worker.watch_scope.cancelled_caught:
+                    worker.returncode = UNKNOWN_EXIT_CODE
+                    worker.faults.append(
+                        "did not exit after SIGKILL within the teardown bound (uninterruptible "
+                        "sleep?); its exit status is unknown"
+                    )
+            except Exception as exc:
+                worker.returncode = UNKNOWN_EXIT_CODE
+                worker.faults.append(
+                    f"exited, but its exit status could not be read ({exc}); "
+                    "was SIGCHLD ignored by another part of this process?"
+                )
+            worker.exit_time = time.time()
+            try:
+                worker.drain_output()
+            except Exception as exc:
+                worker.faults.append(f"its output could not be read to the end ({exc!r})")
+            worker.exited.set()
+            try:
+                await self._settle(worker)
+            except Exception as exc:
+                logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
+                worker.failure = _bare_failure(
+                    worker, f"worker {worker.local_rank} exit could not be reported: {exc!r}"
+                )
+            finally:
+                worker.settled.set()
+                self._after_settle()
+
+    async def _settle(self, worker: WorkerProcess) -> None:
+        assert worker.returncode is not None
+        problems = list(worker.faults)
+        if worker.returncode == 0 and not problems:
             problem = self._collect_return_value(worker)
             # A worker we stopped may exit 0 without a value (a SIGTERM handler that
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
-                self._record_failure(worker, problem)
-        elif not worker.signalled:
-            self._record_failure(worker, None)
-        if self._failures or len(self._return_values) == self.nprocs:
-            self._done.set()
+                problems.append(problem)
+        problems += worker.log_faults()
+        own_failure = worker.returncode != 0 and not worker.signalled
+        if not problems and not own_failure:
+            worker.succeeded = worker.returncode == 0
+            return
+        worker.succeeded = False
+        worker.return_value = None
+        failure = await self._build_failure(worker)
+        if problems:
+            text = "; ".join(problems)
+            if own_failure:
+                failure.message = f"{failure.message}\n(worker {worker.local_rank} also: {text})"
+            else:
+                failure.message = f"worker {worker.local_rank} {text}"
+        worker.failure = failure
 
     def _collect_return_value(self, worker: WorkerProcess) -> str | None:
         if worker.result is None:
-            self._return_values[worker.local_rank] = None
             return None
         if not worker.result.complete:
             return "exited with code 0 but sent no return value (did it call os._exit(0)?)"
         try:
-            self._return_values[worker.local_rank] = pickle.loads(worker.result.payload())
-        except Exception as exc:
+            worker.return_value = pickle.loads(worker.result.payload())
+        except BaseException as exc:
+            # Unpickling runs code chosen by the worker's objects (``__reduce__``): it can
+            # raise SystemExit or KeyboardInterrupt here, in the supervisor. Either is
+            # this rank's failure, never the supervisor's exit.
             return f"its return value could not be unpickled by the supervisor: {exc!r}"
         return None
 
-    def _record_failure(self, worker: WorkerProcess, problem: str | None) -> None:
+    async def _build_failure(self, worker: WorkerProcess) -> ProcessFailure:
+        """The rank's failure report, with its error file read off the event loop (bounded)."""
         assert worker.returncode is not None
         assert worker.exit_time is not None
-        failure = ProcessFailure.from_exit(
+        build = functools.partial(
+            ProcessFailure.from_exit,
             local_rank=worker.local_rank,
             pid=worker.pid,
-            exitcode=worker.returncode if problem is None else 1,
+            exitcode=worker.returncode,
             error_file=worker.error_file,
             exit_time=worker.exit_time,
             stderr_tail=worker.stderr.tail_lines(),
         )
-        if problem is not None:
-            failure.message = f"worker {worker.local_rank} {problem}"
-        first = not self._failures
-        self._failures[worker.local_rank] = failure
-        if first and self._started and self._tg is not None:
-            # A failed group is torn down the moment the failure is seen, whether or not
-            # anyone is in wait() right now.
+        fault = f"timed out after {REPORT_TIMEOUT:g} s"
+        with anyio.move_on_after(REPORT_TIMEOUT):
+            try:
+                # Abandoned on timeout: a read blocked on a FIFO ends when the thread
+                # does, not before; it holds no lock of ours.
+                return await anyio.to_thread.run_sync(build, abandon_on_cancel=True)
+            except Exception as exc:
+                fault = repr(exc)
+        failure = _bare_failure(worker, "")
+        failure.message = (
+            f"{failure.message} (its error file {worker.error_file} could not be read: {fault})"
+        )
+        return failure
+
+    def _after_settle(self) -> None:
+        if self._failed():
+            self._done.set()
+            self._stop_if_failed()
+        elif sum(w.succeeded for w in self._workers) == self.nprocs:
+            self._done.set()
+
+    def _stop_if_failed(self) -> None:
+        # A failed group is torn down the moment the failure is seen, whether or not
+        # anyone is in wait() right now.
+        if self._failed() and self._started and not self._stop_scheduled:
+            self._stop_scheduled = True
+            assert self._tg is not None
             self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
 
     # -- waiting ----------------------------------------------------------------------
@@ -391,17 +492,23 @@ class PContext:
                 await self._done.wait()
             if not self._done.is_set():
                 return None
-        if self._failures:
+        if self._failed():
             await self._stopped.wait()
         return self._result()
 
     def _result(self) -> RunProcsResult:
-        workers = sorted(self._workers.values(), key=lambda w: w.local_rank)
+        workers = self._ranked()
+        failures = {w.local_rank: w.failure for w in workers if w.failure is not None}
+        # Neither failed nor all succeeded: close() ended the group first.
+        stopped = not failures and sum(w.succeeded for w in workers) < self.nprocs
         return RunProcsResult(
-            return_values={} if self._failures else dict(sorted(self._return_values.items())),
-            failures=dict(sorted(self._failures.items())),
+            return_values={}
+            if failures or stopped
+            else {w.local_rank: w.return_value for w in workers},
+            failures=failures,
             stdouts={w.local_rank: w.stdout_path for w in workers},
             stderrs={w.local_rank: w.stderr_path for w in workers},
+            stopped=stopped,
         )
 
     # -- stopping ---------------------------------------------------------------------
@@ -432,9 +539,12 @@ class PContext:
         self._stopping = True
         try:
             with anyio.CancelScope(shield=True):
-                await stop_workers(
-                    list(self._workers.values()), death_sig, grace_period, self._escalate
-                )
+                await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
+                # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
+                # point sees every failure, not a half-reported group.
+                with anyio.move_on_after(REPORT_TIMEOUT + 1):
+                    for worker in self._workers:
+                        await worker.settled.wait()
         finally:
             self._done.set()
             self._stopped.set()
@@ -443,7 +553,7 @@ class PContext:
         if self._io_finished:
             return
         self._io_finished = True
-        pumps = [p for w in self._workers.values() for p in (w.stdout, w.stderr)]
+        pumps = [p for w in self._workers for p in (w.stdout, w.stderr)]
         # Every writer is dead now, so the pipes reach end-of-file at once — unless a
         # descendant escaped its process group and still holds one.
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):
@@ -454,7 +564,7 @@ class PContext:
         for pump in pumps:
             pump.drain(max_chunks=1024)
             pump.finish()
-        for worker in self._workers.values():
+        for worker in self._workers:
             if worker.result is not None:
                 worker.result.close()
         for stream in (console("stdout"), console("stderr")):
@@ -487,6 +597,33 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
+
+
+def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
+    """A failure report made without the error file."""
+    assert worker.returncode is not None
+    return ProcessFailure(
+        local_rank=worker.local_rank,
+        pid=worker.pid,
+        exitcode=worker.returncode,
+        error_file=NOT_AVAILABLE,
+        message=message or f"exited with code {worker.returncode}",
+        timestamp=worker.exit_time or time.time(),
+    )
+
+
+def _raise_start_error(exc: BaseException, rank: int, name: str) -> NoReturn:
+    """Re-raise ``exc``; a resource limit as an OSError naming the limit and the rank."""
+    if not isinstance(exc, OSError) or exc.errno not in _LIMIT_HINTS:
+        raise exc
+    what, command, limit = _LIMIT_HINTS[exc.errno]
+    soft, _ = resource.getrlimit(limit)
+    now = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    raise OSError(
+        exc.errno,
+        f"cannot start worker {rank} of {name!r}: {what} ({os.strerror(exc.errno)}); "
+        f"raise the limit with `{command}` (now {now}) or start fewer workers",
+    ) from exc
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:

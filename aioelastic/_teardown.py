@@ -69,6 +69,13 @@ async def stop_workers(
             _platform.signal_group(pgid, signal.SIGKILL)
         await _groups_empty(pending, pgids, children_timeout=CHILDREN_KILL_TIMEOUT)
     for worker in pending:
+        if not worker.exited.is_set():
+            # Not gone CHILDREN_KILL_TIMEOUT after SIGKILL (uninterruptible sleep, or a
+            # fork server that never reports): stop watching, so that teardown ends.
+            # Its exit is then recorded with a status marked unknown.
+            worker.watch_scope.cancel()
+            await worker.exited.wait()
+    for worker in pending:
         worker.launched.watch.reap()
         worker.reaped = True
         watchdog.forget(worker.pid)
@@ -89,8 +96,11 @@ async def _groups_empty(
     (so nothing else needs signalling), ``False`` when members had to be waited for, or
     could not be (no pidfds).
     """
-    for worker in workers:
-        await worker.exited.wait()
+    with anyio.move_on_after(children_timeout if children_timeout is not None else float("inf")):
+        for worker in workers:
+            await worker.exited.wait()
+    if not all(worker.exited.is_set() for worker in workers):
+        return False
     members = _platform.live_group_members(pgids)
     if not members:
         return True
