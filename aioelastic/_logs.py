@@ -82,6 +82,10 @@ class StreamPump:
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
 
+    def fileno(self) -> int | None:
+        """The pipe's read end, ``None`` once closed."""
+        return self._fd
+
     def open_log(self) -> None:
         """Create the log file; refuses to overwrite one (``O_EXCL``)."""
         if self._log_path is not None and self._log_fd is None:

@@ -60,10 +60,10 @@ UNKNOWN_EXIT_CODE = 1
 
 # Start errors that mean a resource limit was hit, and the limit to name in the message.
 _LIMIT_HINTS = {
-    errno.EMFILE: ("too many open files", "ulimit -n", resource.RLIMIT_NOFILE),
-    errno.ENFILE: ("too many open files in the system", "ulimit -n", resource.RLIMIT_NOFILE),
-    errno.EAGAIN: ("cannot create another process", "ulimit -u", resource.RLIMIT_NPROC),
-    errno.ENOMEM: ("out of memory", "ulimit -v", resource.RLIMIT_AS),
+    errno.EMFILE: ("", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.ENFILE: ("", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.EAGAIN: (" (no more processes)", "ulimit -u", resource.RLIMIT_NPROC),
+    errno.ENOMEM: ("", "ulimit -v", resource.RLIMIT_AS),
 }
 
 
@@ -128,7 +128,10 @@ class PContext:
         self._entered = True
         _platform.ensure_default_sigchld()
         prepared = self._prepare()
-        await _launchers.on_launcher_thread(watchdog.ensure_started)
+        try:
+            await _launchers.on_launcher_thread(watchdog.ensure_started)
+        except OSError as exc:
+            _raise_start_error(exc, f"the watchdog process of {self.name!r}")
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -193,19 +196,20 @@ class PContext:
             ) from exc
 
     async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
 
         async def start(rank: int) -> None:
             try:
                 await self._start_worker(rank, prepared[rank])
             except Exception as exc:
-                errors.append(exc)
+                errors.append((rank, exc))
 
         async with anyio.create_task_group() as tg:
             for rank in range(self._spec.nprocs):
                 tg.start_soon(start, rank)
         if errors:
-            raise errors[0]
+            rank, exc = errors[0]
+            _raise_start_error(exc, f"worker {rank} of {self.name!r}")
 
     async def _start_worker(self, rank: int, prepared: _Prepared) -> None:
         spec = self._spec
@@ -214,21 +218,31 @@ class PContext:
         rank_dir = self._log_root / str(rank)
         stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
         stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        res_r, res_w = os.pipe2(os.O_CLOEXEC) if not spec.is_binary else (-1, -1)
-        child_ends = [fd for fd in (out_w, err_w, res_w) if fd >= 0]
-        parent_ends = [fd for fd in (out_r, err_r, res_r) if fd >= 0]
+        # Every fd made here is closed on any failure (EMFILE can strike at each step).
+        child_ends: list[int] = []
+        parent_ends: list[int] = []
+        pumps: list[StreamPump] = []
+
+        def pipe() -> tuple[int, int]:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            parent_ends.append(r)
+            child_ends.append(w)
+            return r, w
+
         try:
+            out_r, out_w = pipe()
+            err_r, err_w = pipe()
+            res_r, res_w = pipe() if not spec.is_binary else (-1, -1)
             stdout_pump = StreamPump(out_r, **stdout)
+            pumps.append(stdout_pump)
             stderr_pump = StreamPump(err_r, **stderr)
+            pumps.append(stderr_pump)
             stdout_pump.open_log()
             stderr_pump.open_log()
             launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
-        except BaseException as exc:
-            for fd in parent_ends:
-                os.close(fd)
-            _raise_start_error(exc, rank, self.name)
+        except BaseException:
+            _close_parent_ends(pumps, parent_ends)
+            raise
         finally:
             for fd in child_ends:
                 os.close(fd)
@@ -244,14 +258,15 @@ class PContext:
                 stderr=stderr_pump,
                 result=ResultReceiver(res_r) if res_r >= 0 else None,
             )
-        except BaseException as exc:
+        except BaseException:
             # The process exists but nothing would ever stop or reap it: do both now.
             with anyio.CancelScope(shield=True):
                 await _launchers.on_launcher_thread(_launchers.kill_and_reap, launched)
             watchdog.forget(launched.pid)
-            for fd in parent_ends:
-                os.close(fd)
-            _raise_start_error(exc, rank, self.name)
+            _close_parent_ends(pumps, parent_ends)
+            if launched.payload_fd is not None:
+                os.close(launched.payload_fd)
+            raise
         self._workers.append(worker)
         self._tg.start_soon(self._monitor, worker)
         self._run_io(stdout_pump.run)
@@ -612,16 +627,26 @@ def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
     )
 
 
-def _raise_start_error(exc: BaseException, rank: int, name: str) -> NoReturn:
-    """Re-raise ``exc``; a resource limit as an OSError naming the limit and the rank."""
+def _close_parent_ends(pumps: list[StreamPump], parent_ends: list[int]) -> None:
+    owned = set()
+    for pump in pumps:
+        owned.add(pump.fileno())
+        pump.finish()
+    for fd in parent_ends:
+        if fd not in owned:
+            os.close(fd)
+
+
+def _raise_start_error(exc: BaseException, what: str) -> NoReturn:
+    """Re-raise ``exc``; a resource limit as an OSError naming the limit and what failed."""
     if not isinstance(exc, OSError) or exc.errno not in _LIMIT_HINTS:
         raise exc
-    what, command, limit = _LIMIT_HINTS[exc.errno]
+    reason, command, limit = _LIMIT_HINTS[exc.errno]
     soft, _ = resource.getrlimit(limit)
     now = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
     raise OSError(
         exc.errno,
-        f"cannot start worker {rank} of {name!r}: {what} ({os.strerror(exc.errno)}); "
+        f"cannot start {what}: {os.strerror(exc.errno)}{reason}; "
         f"raise the limit with `{command}` (now {now}) or start fewer workers",
     ) from exc
 

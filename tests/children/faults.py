@@ -1,0 +1,136 @@
+"""Workers and child supervisors for the environment-fault tests (tests/test_faults.py).
+
+``python -m tests.children.faults CASE ...`` runs a supervisor in a process of its own,
+after putting the fault in place (a signal disposition, a resource limit), and prints
+one JSON line per run to stderr: what ``run_processes`` returned or raised.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import signal
+import sys
+from typing import Any
+
+import anyio
+
+import aioelastic
+from tests.children import core
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+class ExitsTheSupervisor:
+    """A return value whose unpickling raises SystemExit(3) in whoever unpickles it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (sys.exit, (3,))
+
+
+class InterruptsTheSupervisor:
+    """A return value whose unpickling raises KeyboardInterrupt."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_interrupt, ())
+
+
+def returns_exit() -> ExitsTheSupervisor:
+    return ExitsTheSupervisor()
+
+
+def returns_interrupt() -> InterruptsTheSupervisor:
+    return InterruptsTheSupervisor()
+
+
+def write_bytes(count: int) -> int:
+    """Write ``count`` bytes to stdout in lines of 100 bytes; return the count."""
+    line = "x" * 99 + "\n"
+    for _ in range(count // 100):
+        sys.stdout.write(line)
+    sys.stdout.flush()
+    return count
+
+
+def print_lines(count: int) -> int:
+    for i in range(count):
+        print(f"line {i}", flush=True)
+    return count
+
+
+def _describe(result: aioelastic.RunProcsResult) -> dict[str, Any]:
+    return {
+        "exitcodes": {str(r): f.exitcode for r, f in result.failures.items()},
+        "messages": {str(r): f.message for r, f in result.failures.items()},
+        "return_values": {str(r): repr(v) for r, v in result.return_values.items()},
+        "failed": result.is_failed(),
+    }
+
+
+async def _run(name: str, fn: Any, args: tuple[Any, ...], **kwargs: Any) -> None:
+    try:
+        result = await aioelastic.run_processes(name, fn, {0: args}, {0: {}}, **kwargs)
+        line = _describe(result)
+    except Exception as exc:
+        line = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(line), file=sys.stderr, flush=True)
+
+
+async def sigchld_ignored(method: str) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    await _run("ok", core.exit_with, (0,), start_method=method)
+    await _run("three", core.exit_with, (3,), start_method=method)
+    await _run("killed", core.kill_self, (signal.SIGKILL,), start_method=method)
+    default = signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+    print(json.dumps({"sigchld_default": default}), file=sys.stderr)
+
+
+async def nofile(limit: str, nprocs: str) -> None:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(limit), resource.getrlimit(7)[1]))
+    n = int(nprocs)
+    try:
+        result = await aioelastic.run_processes(
+            "nofile",
+            core.add,
+            {r: (r, 1) for r in range(n)},
+            {r: {} for r in range(n)},
+            start_method="spawn",
+            redirects=aioelastic.Std.ALL,
+        )
+        line = _describe(result)
+    except Exception as exc:
+        line = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(line), file=sys.stderr, flush=True)
+
+
+async def tee_lines(count: str) -> None:
+    await _run("tee", print_lines, (int(count),), start_method="spawn", tee=aioelastic.Std.ALL)
+
+
+CASES = {"sigchld_ignored": sigchld_ignored, "nofile": nofile, "tee_lines": tee_lines}
+
+if __name__ == "__main__":
+    anyio.run(CASES[sys.argv[1]], *sys.argv[2:])
+
+
+#: A binary's view of its own signal state, from the kernel.
+SHOW_SIGNALS = (
+    "for line in open('/proc/self/status'):\n"
+    "    if line.startswith(('SigBlk', 'SigIgn')): print(line.strip())"
+)
+
+
+def signal_state() -> tuple[str, str, str, list[int]]:
+    """A function worker's view: SIGHUP, SIGUSR2, SIGINT handlers and its blocked mask."""
+
+    def name(handler: Any) -> str:
+        return getattr(handler, "name", None) or getattr(handler, "__name__", repr(handler))
+
+    return (
+        name(signal.getsignal(signal.SIGHUP)),
+        name(signal.getsignal(signal.SIGUSR2)),
+        name(signal.getsignal(signal.SIGINT)),
+        sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+    )

@@ -1,0 +1,328 @@
+"""Faults of the environment on the exit path: each ends in time, truthfully, with nothing left.
+
+Real faults only: a full tmpfs under the log directory, SIGCHLD ignored in a supervisor
+started for the test, return values whose unpickling raises in the supervisor, low
+RLIMIT_NOFILE, a console pipe whose reader went away, ``wait()`` racing ``close()``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import aioelastic
+from tests.children import core, faults
+from tests.waits import ReadyFifo
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def envs(n: int) -> dict[int, dict[str, str]]:
+    return {rank: {} for rank in range(n)}
+
+
+def supervise(*argv: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python -m tests.children.faults *argv``; its JSON lines are on stderr."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.children.faults", *argv],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - start
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 KiB tmpfs: the log directory's disk, soon full."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+# -- the return value is a trust boundary, but must not end the supervisor -------------
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+@pytest.mark.parametrize(
+    ("fn", "raised"),
+    [(faults.returns_exit, "SystemExit(3)"), (faults.returns_interrupt, "KeyboardInterrupt()")],
+)
+@pytest.mark.asyncio
+async def test_unpickling_that_raises_systemexit_or_keyboardinterrupt_fails_that_rank(
+    method: str, fn: Any, raised: str
+) -> None:
+    with anyio.fail_after(60):
+        result = await aioelastic.run_processes(
+            "evil", fn, {0: (), 1: ()}, envs(2), start_method=method
+        )
+    assert result.is_failed()
+    assert result.return_values == {}
+    failure = result.failures[min(result.failures)]
+    assert failure.exitcode == 0  # its real exit status
+    assert failure.message == (
+        f"worker {failure.local_rank} its return value could not be unpickled by the "
+        f"supervisor: {raised}"
+    )
+
+
+# -- a full disk under the log directory -------------------------------------------------
+
+_NOT_WRITTEN = (
+    r"worker 0 log {path} not written past byte (\d+): \[Errno 28\] No space left on device"
+)
+
+
+@pytest.mark.asyncio
+async def test_full_log_disk_is_reported_and_the_worker_is_not_blocked(full_tmpfs: Path) -> None:
+    log_dir = full_tmpfs / "logs"
+    start = time.monotonic()
+    with anyio.fail_after(60):
+        result = await aioelastic.run_processes(
+            "full",
+            faults.write_bytes,
+            {0: (400_000,)},
+            envs(1),
+            log_dir=log_dir,
+            redirects=aioelastic.Std.OUT,
+        )
+    assert time.monotonic() - start < 60
+    assert result.is_failed()
+    failure = result.failures[0]
+    assert failure.exitcode == 0
+    log = log_dir / "0" / "stdout.log"
+    match = re.fullmatch(_NOT_WRITTEN.format(path=re.escape(str(log))), failure.message)
+    assert match, failure.message
+    # Every byte up to the reported one is in the file, and nothing after it.
+    assert log.stat().st_size == int(match.group(1))
+    assert 0 < int(match.group(1)) < 400_000
+
+
+def test_full_log_disk_through_aioelastic_run(full_tmpfs: Path) -> None:
+    log_dir = full_tmpfs / "logs"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aioelastic.run",
+            "--nproc-per-node",
+            "1",
+            "--log-dir",
+            str(log_dir),
+            "--redirects",
+            "1",
+            "--no-python",
+            "sh",
+            "-c",
+            "head -c 400000 /dev/zero | tr '\\0' x",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert time.monotonic() - start < 90
+    assert proc.returncode == 1, proc.stderr
+    logs = list(log_dir.rglob("stdout.log"))
+    assert len(logs) == 1
+    assert re.search(
+        r"log " + re.escape(str(logs[0])) + r" not written past byte \d+: \[Errno 28\] "
+        r"No space left on device",
+        proc.stderr,
+    ), proc.stderr
+
+
+# -- inherited signal state ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_sigchld_ignored_in_the_supervisor_still_gives_exact_exit_statuses(method: str) -> None:
+    proc, took = supervise("sigchld_ignored", method)
+    assert took < 90
+    assert proc.returncode == 0, proc.stderr
+    ok, three, killed, disposition = json_lines(proc.stderr)
+    assert ok == {"exitcodes": {}, "messages": {}, "return_values": {"0": "None"}, "failed": False}
+    assert three["exitcodes"] == {"0": 3}
+    assert killed["exitcodes"] == {"0": -9}
+    assert killed["messages"] == {"0": "killed by SIGKILL (signal 9)"}
+    assert disposition == {"sigchld_default": True}
+
+
+@pytest.mark.asyncio
+async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
+    tmp_path: Path,
+) -> None:
+
+    # What a shell under nohup or a host program hands down: SIGHUP and SIGUSR2 ignored,
+    # SIGUSR1 blocked. None of it may reach a worker.
+    old_hup = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
+    try:
+        for method in ("spawn", "fork"):
+            with anyio.fail_after(60):
+                result = await aioelastic.run_processes(
+                    "sigs", faults.signal_state, {0: ()}, envs(1), start_method=method
+                )
+            assert result.return_values == {0: ("SIG_DFL", "SIG_DFL", "default_int_handler", [])}
+        with anyio.fail_after(60):
+            result = await aioelastic.run_processes(
+                "sigs-bin",
+                sys.executable,
+                {0: ("-c", faults.SHOW_SIGNALS)},
+                envs(1),
+                log_dir=tmp_path / "logs",
+                redirects=aioelastic.Std.OUT,
+            )
+        assert not result.is_failed()
+        # From /proc: nothing blocked, nothing ignored but what Python itself ignores
+        # at startup (SIGPIPE and SIGXFSZ: bits 12 and 24).
+        shown = (tmp_path / "logs" / "0" / "stdout.log").read_text().split()
+        assert shown == ["SigBlk:", "0000000000000000", "SigIgn:", "0000000001001000"]
+    finally:
+        signal.signal(signal.SIGHUP, old_hup)
+        signal.signal(signal.SIGUSR2, old_usr2)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+# -- resource limits -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [12, 16, 20, 24, 28, 32, 40, 64])
+def test_low_rlimit_nofile_ends_with_a_result_or_a_ulimit_error(limit: int) -> None:
+    proc, took = supervise("nofile", str(limit), "4", timeout=120)
+    assert took < 120
+    lines = json_lines(proc.stderr)
+    if proc.returncode != 0 or not lines:
+        # Too few fds even to import and run the event loop: Python says so itself.
+        assert "Too many open files" in proc.stderr or "EMFILE" in proc.stderr, proc.stderr
+        return
+    (line,) = lines
+    if "error" in line:
+        assert re.fullmatch(
+            r"OSError: \[Errno 24\] cannot start (worker \d|the watchdog process) of 'nofile': "
+            rf"Too many open files; raise the limit with `ulimit -n` \(now {limit}\) or "
+            r"start fewer workers",
+            line["error"],
+        ), line
+    else:
+        assert line == {
+            "exitcodes": {},
+            "messages": {},
+            "return_values": {"0": "1", "1": "2", "2": "3", "3": "4"},
+            "failed": False,
+        }
+
+
+# -- the console's reader goes away ------------------------------------------------------
+
+
+def _close_after_first_line(argv: list[str]) -> tuple[subprocess.Popen[bytes], bytes, str]:
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `| head -1` does
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=90)
+    return proc, first, err
+
+
+def test_console_pipe_closed_by_its_reader() -> None:
+    start = time.monotonic()
+    proc, first, err = _close_after_first_line(
+        [sys.executable, "-m", "tests.children.faults", "tee_lines", "20000"]
+    )
+    assert time.monotonic() - start < 90
+    assert first == b"[tee0]:line 0\n"
+    (line,) = json_lines(err)
+    assert line == {
+        "exitcodes": {},
+        "messages": {},
+        "return_values": {"0": "20000"},
+        "failed": False,
+    }
+    assert proc.returncode == 0, err
+
+
+def test_console_pipe_closed_through_aioelastic_run() -> None:
+    start = time.monotonic()
+    proc, first, err = _close_after_first_line(
+        [
+            sys.executable,
+            "-m",
+            "aioelastic.run",
+            "--nproc-per-node",
+            "1",
+            "--tee",
+            "3",
+            "--no-python",
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 20000 ]; do echo line $i; i=$((i+1)); done",
+        ]
+    )
+    assert time.monotonic() - start < 90
+    assert first.endswith(b"line 0\n"), first
+    assert proc.returncode == 0, err
+
+
+# -- wait() racing close() -------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_wait_that_loses_the_race_against_close_says_stopped(tmp_path: Path) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        ctx = aioelastic.start_processes(
+            "race", core.block_forever, {0: (str(fifo.path),), 1: (str(fifo.path),)}, envs(2)
+        )
+        results: list[aioelastic.RunProcsResult | None] = []
+        start = time.monotonic()
+        async with ctx:
+            await fifo.lines(2)
+
+            async def waiter() -> None:
+                results.append(await ctx.wait())
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(waiter)
+                    await anyio.wait_all_tasks_blocked()
+                    await ctx.close(grace_period=5)
+        assert time.monotonic() - start < 60
+        (result,) = results
+        assert result is not None
+        assert result.stopped
+        assert result.is_failed()
+        assert result.failures == {}
+        assert result.return_values == {}
+    finally:
+        fifo.close()
