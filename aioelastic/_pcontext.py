@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import pickle
+import re
 import resource
 import shutil
 import signal
@@ -94,6 +95,7 @@ class PContext:
         self._done = anyio.Event()
         self._stopping = False
         self._stop_scheduled = False
+        self._closing = False
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
         self._io_finished = False
@@ -150,7 +152,8 @@ class PContext:
         """Log directories, environments and pickled calls: all that can fail, before a start."""
         spec = self._spec
         if spec.log_dir is None:
-            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_"))
+            _remove_stale_temporary_roots()
+            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_p{os.getpid()}_"))
         else:
             root = spec.log_dir
         try:
@@ -535,12 +538,16 @@ class PContext:
 
         Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
         ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
-        group that still has a member, and reaps. A call with SIGKILL or a zero grace
-        period while another close is in progress skips the rest of its grace period.
+        group that still has a member, and reaps. A second ``close()`` while one is in
+        progress (a second Ctrl-C, say) escalates: the rest of the grace period is
+        skipped and every group is SIGKILLed at once, whatever its arguments.
         """
         if not self._entered:
             return
         grace = self._spec.grace_period if grace_period is None else grace_period
+        if self._closing:
+            self._escalate.set()
+        self._closing = True
         with anyio.CancelScope(shield=True):
             await self._stop(death_sig, grace)
             await self._finish_io()
@@ -595,7 +602,7 @@ class PContext:
         root = self._log_root
         if not self._temporary_log_root or root is None:
             return
-        if any(path.is_file() for path in root.rglob("*")):
+        if _holds_files(root):
             logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
             return
         shutil.rmtree(root, ignore_errors=True)
@@ -612,6 +619,48 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
+
+
+#: A temporary log root: ``aioelastic_{name}_p{owner pid}_{random}``.
+_TEMPORARY_ROOT = re.compile(r"aioelastic_.*_p(\d+)_[^_]+")
+
+
+def _remove_stale_temporary_roots() -> None:
+    """Remove the empty temporary log roots of supervisors that died (SIGKILL, OOM).
+
+    Error files are written by the workers themselves, so a root must exist before they
+    start and cannot be created lazily; a supervisor that is killed leaves it behind. Only
+    a root whose owner pid is gone and that holds no file is removed: logs and error
+    files are never deleted.
+    """
+    tmp = Path(tempfile.gettempdir())
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = _TEMPORARY_ROOT.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink() and not _holds_files(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: alive, someone else's
+    return True
+
+
+def _holds_files(root: Path) -> bool:
+    return any(not path.is_dir() or path.is_symlink() for path in root.rglob("*"))
 
 
 def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:

@@ -215,30 +215,35 @@ async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
 # -- resource limits -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("limit", [12, 16, 20, 24, 28, 32, 40, 64])
-def test_low_rlimit_nofile_ends_with_a_result_or_a_ulimit_error(limit: int) -> None:
-    proc, took = supervise("nofile", str(limit), "4", timeout=120)
-    assert took < 120
-    lines = json_lines(proc.stderr)
-    if proc.returncode != 0 or not lines:
-        # Too few fds even to import and run the event loop: Python says so itself.
-        assert "Too many open files" in proc.stderr or "EMFILE" in proc.stderr, proc.stderr
-        return
-    (line,) = lines
-    if "error" in line:
-        assert re.fullmatch(
-            r"OSError: \[Errno 24\] cannot start (worker \d|the watchdog process) of 'nofile': "
-            rf"Too many open files; raise the limit with `ulimit -n` \(now {limit}\) or "
-            r"start fewer workers",
-            line["error"],
-        ), line
-    else:
-        assert line == {
-            "exitcodes": {},
-            "messages": {},
-            "return_values": {"0": "1", "1": "2", "2": "3", "3": "4"},
-            "failed": False,
-        }
+_ULIMIT_ERROR = re.compile(
+    r"OSError: \[Errno 24\] cannot start (worker \d|the watchdog process) of 'nofile': "
+    r"Too many open files; raise the limit with `ulimit -n` \(now (\d+)\) or "
+    r"start fewer workers"
+)
+
+
+def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error() -> None:
+    # Every limit from "not even one pipe" to "enough": EMFILE strikes at each step of a
+    # start in turn (pipes, log files, the exec, the pidfd of a process that exists).
+    proc, took = supervise("nofile_sweep", "14", "60", "3", timeout=240)
+    assert took < 240
+    assert proc.returncode == 0, proc.stderr
+    *runs, left = json_lines(proc.stderr)
+    assert [run["limit"] for run in runs] == list(range(14, 61))
+    ok = {"exitcodes": {}, "messages": {}, "return_values": {"0": "1", "1": "2", "2": "3"}}
+    for run in runs:
+        if "error" in run:
+            match = _ULIMIT_ERROR.fullmatch(run["error"])
+            assert match, run
+            assert int(match.group(2)) == run["limit"]
+        elif run["failed"]:
+            # A worker itself out of fds (it inherits the limit): its own failure, told.
+            assert any("Too many open files" in m for m in run["messages"].values()), run
+        else:
+            assert run == {"limit": run["limit"], **ok, "failed": False}
+    assert "error" in runs[0]
+    assert "error" not in runs[-1]
+    assert left == {"children": [], "fds": []}
 
 
 # -- the console's reader goes away ------------------------------------------------------

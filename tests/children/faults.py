@@ -8,6 +8,7 @@ one JSON line per run to stderr: what ``run_processes`` returned or raised.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import signal
 import sys
@@ -16,6 +17,8 @@ from typing import Any
 import anyio
 
 import aioelastic
+from aioelastic._platform import children_of
+from aioelastic._watchdog import watchdog
 from tests.children import core
 
 
@@ -87,29 +90,48 @@ async def sigchld_ignored(method: str) -> None:
     print(json.dumps({"sigchld_default": default}), file=sys.stderr)
 
 
-async def nofile(limit: str, nprocs: str) -> None:
-    resource.setrlimit(resource.RLIMIT_NOFILE, (int(limit), resource.getrlimit(7)[1]))
+async def nofile_sweep(low: str, high: str, nprocs: str) -> None:
+    """Run the same group at each RLIMIT_NOFILE from ``low`` to ``high``.
+
+    One JSON line per limit, then one with what was left behind: live or unreaped
+    children and open fds beyond those of the first run (which starts the watchdog).
+    """
     n = int(nprocs)
-    try:
-        result = await aioelastic.run_processes(
-            "nofile",
-            core.add,
-            {r: (r, 1) for r in range(n)},
-            {r: {} for r in range(n)},
-            start_method="spawn",
-            redirects=aioelastic.Std.ALL,
-        )
-        line = _describe(result)
-    except Exception as exc:
-        line = {"error": f"{type(exc).__name__}: {exc}"}
-    print(json.dumps(line), file=sys.stderr, flush=True)
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+
+    async def run() -> dict[str, Any]:
+        try:
+            result = await aioelastic.run_processes(
+                "nofile",
+                core.add,
+                {r: (r, 1) for r in range(n)},
+                {r: {} for r in range(n)},
+                start_method="spawn",
+                redirects=aioelastic.Std.ALL,
+            )
+            return _describe(result)
+        except Exception as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+
+    await run()
+    fds = set(os.listdir("/proc/self/fd"))
+    for limit in range(int(low), int(high) + 1):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+        line = await run()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        print(json.dumps({"limit": limit, **line}), file=sys.stderr, flush=True)
+    left = {
+        "children": sorted(set(children_of(os.getpid())) - {watchdog.pid}),
+        "fds": sorted(set(os.listdir("/proc/self/fd")) - fds),
+    }
+    print(json.dumps(left), file=sys.stderr, flush=True)
 
 
 async def tee_lines(count: str) -> None:
     await _run("tee", print_lines, (int(count),), start_method="spawn", tee=aioelastic.Std.ALL)
 
 
-CASES = {"sigchld_ignored": sigchld_ignored, "nofile": nofile, "tee_lines": tee_lines}
+CASES = {"sigchld_ignored": sigchld_ignored, "nofile_sweep": nofile_sweep, "tee_lines": tee_lines}
 
 if __name__ == "__main__":
     anyio.run(CASES[sys.argv[1]], *sys.argv[2:])
