@@ -589,8 +589,11 @@ class PContext:
         for worker in self._workers:
             if worker.result is not None:
                 worker.result.close()
-        for stream in (console("stdout"), console("stderr")):
-            await stream.flush()
+        # Bounded: a console whose reader stopped reading (a paused terminal, a full
+        # pipe nobody drains) must not hold up the end of the run.
+        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
+            for stream in (console("stdout"), console("stderr")):
+                await stream.flush()
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
