@@ -499,7 +499,9 @@ class PContext:
         Returns when every worker exited 0, or when the first worker failed — in that
         case after the others were stopped. With ``timeout`` (seconds; 0 only checks),
         returns ``None`` if the workers are still running, and leaves them running.
-        Cancelling a ``wait()`` does not stop the workers.
+        Cancelling a ``wait()`` does not stop the workers. A ``wait()`` that returns
+        because another task called :meth:`close` first gets a result with
+        ``stopped=True`` (see :class:`RunProcsResult`).
         """
         if not self._entered:
             raise RuntimeError("wait() needs the workers started: use 'async with' first")
@@ -516,6 +518,14 @@ class PContext:
 
     def _result(self) -> RunProcsResult:
         workers = self._ranked()
+        for worker in workers:
+            # A log file that stopped being written after the rank's outcome was settled
+            # (a grandchild kept writing to the full disk): the record is incomplete.
+            faults = worker.log_faults()
+            if worker.failure is None and faults and worker.returncode is not None:
+                text = "; ".join(faults)
+                worker.failure = _bare_failure(worker, f"worker {worker.local_rank} {text}")
+                worker.succeeded = False
         failures = {w.local_rank: w.failure for w in workers if w.failure is not None}
         # Neither failed nor all succeeded: close() ended the group first.
         stopped = not failures and sum(w.succeeded for w in workers) < self.nprocs

@@ -159,6 +159,25 @@ def test_full_log_disk_through_aioelastic_run(full_tmpfs: Path) -> None:
     ), proc.stderr
 
 
+def test_file_size_limit_on_the_log_is_reported_at_the_exact_byte(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    proc, took = supervise("fsize", "30000", str(log_dir))
+    assert took < 90
+    assert proc.returncode == 0, proc.stderr
+    log = log_dir / "0" / "stdout.log"
+    assert json_lines(proc.stderr) == [
+        {
+            "exitcodes": {"0": 0},
+            "messages": {
+                "0": f"worker 0 log {log} not written past byte 30000: [Errno 27] File too large"
+            },
+            "return_values": {},
+            "failed": True,
+        }
+    ]
+    assert log.read_bytes() == (b"x" * 99 + b"\n") * 300
+
+
 # -- inherited signal state ------------------------------------------------------------------
 
 
@@ -186,7 +205,7 @@ async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
     old_usr2 = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR1])
     try:
-        for method in ("spawn", "fork"):
+        for method in ("spawn", "fork", "forkserver"):
             with anyio.fail_after(60):
                 result = await aioelastic.run_processes(
                     "sigs", faults.signal_state, {0: ()}, envs(1), start_method=method
@@ -210,6 +229,21 @@ async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
         signal.signal(signal.SIGHUP, old_hup)
         signal.signal(signal.SIGUSR2, old_usr2)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def test_sigchld_ignored_outside_the_main_thread_is_refused_before_anything_starts() -> None:
+    proc, took = supervise("sigchld_ignored_thread")
+    assert took < 90
+    assert proc.returncode == 0, proc.stderr
+    assert json_lines(proc.stderr) == [
+        {
+            "error": "RuntimeError: SIGCHLD is ignored (SIG_IGN) in this process, so the "
+            "kernel would reap the workers before their exit status could be read; call "
+            "signal.signal(signal.SIGCHLD, signal.SIG_DFL) in the main thread before "
+            "starting workers"
+        },
+        {"children": []},
+    ]
 
 
 # -- resource limits -----------------------------------------------------------------------

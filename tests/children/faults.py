@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 import anyio
+import anyio.to_thread
 
 import aioelastic
 from aioelastic._platform import children_of
@@ -90,6 +91,19 @@ async def sigchld_ignored(method: str) -> None:
     print(json.dumps({"sigchld_default": default}), file=sys.stderr)
 
 
+async def sigchld_ignored_thread() -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    await anyio.to_thread.run_sync(anyio.run, _run, "thread", core.exit_with, (0,))
+    left = set(children_of(os.getpid())) - {watchdog.pid}
+    print(json.dumps({"children": sorted(left)}), file=sys.stderr, flush=True)
+
+
+async def fsize(limit: str, log_dir: str) -> None:
+    # Python ignores SIGXFSZ at startup, so a write past the limit fails with EFBIG.
+    resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+    await _run("big", write_bytes, (100_000,), log_dir=log_dir, redirects=aioelastic.Std.OUT)
+
+
 async def nofile_sweep(low: str, high: str, nprocs: str) -> None:
     """Run the same group at each RLIMIT_NOFILE from ``low`` to ``high``.
 
@@ -131,7 +145,13 @@ async def tee_lines(count: str) -> None:
     await _run("tee", print_lines, (int(count),), start_method="spawn", tee=aioelastic.Std.ALL)
 
 
-CASES = {"sigchld_ignored": sigchld_ignored, "nofile_sweep": nofile_sweep, "tee_lines": tee_lines}
+CASES = {
+    "sigchld_ignored": sigchld_ignored,
+    "sigchld_ignored_thread": sigchld_ignored_thread,
+    "fsize": fsize,
+    "nofile_sweep": nofile_sweep,
+    "tee_lines": tee_lines,
+}
 
 if __name__ == "__main__":
     anyio.run(CASES[sys.argv[1]], *sys.argv[2:])
