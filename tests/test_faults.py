@@ -256,10 +256,11 @@ _ULIMIT_ERROR = re.compile(
 )
 
 
-def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error() -> None:
+@pytest.mark.parametrize("method", ["spawn", "fork"])
+def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error(method: str) -> None:
     # Every limit from "not even one pipe" to "enough": EMFILE strikes at each step of a
     # start in turn (pipes, log files, the exec, the pidfd of a process that exists).
-    proc, took = supervise("nofile_sweep", "14", "60", "3", timeout=240)
+    proc, took = supervise("nofile_sweep", "14", "60", "3", method, timeout=240)
     assert took < 240
     assert proc.returncode == 0, proc.stderr
     *runs, left = json_lines(proc.stderr)
@@ -277,6 +278,21 @@ def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error() -> 
             assert run == {"limit": run["limit"], **ok, "failed": False}
     assert "error" in runs[0]
     assert "error" not in runs[-1]
+    assert left == {"children": [], "fds": []}
+
+
+def test_a_process_whose_pidfd_cannot_be_opened_is_killed_and_reaped() -> None:
+    # One fork worker: some limit leaves exactly the fds of its pipes and log files free,
+    # so the fork succeeds and the pidfd of the new process fails with EMFILE.
+    proc, took = supervise("nofile_sweep", "10", "30", "1", "fork", timeout=240)
+    assert took < 240
+    assert proc.returncode == 0, proc.stderr
+    *runs, left = json_lines(proc.stderr)
+    at_pidfd = [run for run in runs if run.get("in") == "pidfd_open"]
+    assert at_pidfd, runs
+    for run in at_pidfd:
+        assert _ULIMIT_ERROR.fullmatch(run["error"]), run
+    # The process existed; it was killed and reaped before the error was raised.
     assert left == {"children": [], "fds": []}
 
 

@@ -12,6 +12,7 @@ import os
 import resource
 import signal
 import sys
+import traceback
 from typing import Any
 
 import anyio
@@ -104,7 +105,14 @@ async def fsize(limit: str, log_dir: str) -> None:
     await _run("big", write_bytes, (100_000,), log_dir=log_dir, redirects=aioelastic.Std.OUT)
 
 
-async def nofile_sweep(low: str, high: str, nprocs: str) -> None:
+def _innermost_function(exc: BaseException) -> str:
+    cause: BaseException = exc
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return traceback.extract_tb(cause.__traceback__)[-1].name
+
+
+async def nofile_sweep(low: str, high: str, nprocs: str, method: str = "spawn") -> None:
     """Run the same group at each RLIMIT_NOFILE from ``low`` to ``high``.
 
     One JSON line per limit, then one with what was left behind: live or unreaped
@@ -120,12 +128,12 @@ async def nofile_sweep(low: str, high: str, nprocs: str) -> None:
                 core.add,
                 {r: (r, 1) for r in range(n)},
                 {r: {} for r in range(n)},
-                start_method="spawn",
+                start_method=method,
                 redirects=aioelastic.Std.ALL,
             )
             return _describe(result)
         except Exception as exc:
-            return {"error": f"{type(exc).__name__}: {exc}"}
+            return {"error": f"{type(exc).__name__}: {exc}", "in": _innermost_function(exc)}
 
     await run()
     fds = set(os.listdir("/proc/self/fd"))
