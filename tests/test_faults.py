@@ -231,6 +231,34 @@ async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
+def test_sigchld_ignored_through_aioelastic_run() -> None:
+    # A shell's `trap "" CHLD` before exec: the launcher starts with SIGCHLD ignored.
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aioelastic.run",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+            "sh",
+            "-c",
+            'if [ "$LOCAL_RANK" = 1 ]; then exit 3; fi',
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN),
+    )
+    assert time.monotonic() - start < 90
+    assert proc.returncode != 0, proc.stderr
+    assert "rank      : 1 (local_rank: 1)" in proc.stderr
+    assert re.search(r"exitcode  : 3 \(pid: \d+\)", proc.stderr), proc.stderr
+    assert "traceback : exited with code 3" in proc.stderr
+
+
 def test_sigchld_ignored_outside_the_main_thread_is_refused_before_anything_starts() -> None:
     proc, took = supervise("sigchld_ignored_thread")
     assert took < 90
