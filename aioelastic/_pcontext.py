@@ -41,7 +41,7 @@ from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
-from ._teardown import stop_workers
+from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._validate import LaunchSpec, validate
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -384,8 +384,9 @@ class PContext:
                 if worker.watch_scope.cancelled_caught:
                     worker.returncode = UNKNOWN_EXIT_CODE
                     worker.faults.append(
-                        "did not exit after SIGKILL within the teardown bound (uninterruptible "
-                        "sleep?); its exit status is unknown"
+                        f"was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
+                        "(uninterruptible sleep, or a stopped fork server?); its exit "
+                        "status is unknown"
                     )
             except Exception as exc:
                 worker.returncode = UNKNOWN_EXIT_CODE

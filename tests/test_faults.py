@@ -409,3 +409,54 @@ async def test_wait_that_loses_the_race_against_close_says_stopped(tmp_path: Pat
         assert result.return_values == {}
     finally:
         fifo.close()
+
+
+# -- a worker whose exit is never reported ------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_teardown_is_bounded_when_an_exit_is_never_reported(tmp_path: Path) -> None:
+    import os
+
+    from aioelastic._forkserver import fork_server
+    from aioelastic._teardown import CHILDREN_KILL_TIMEOUT
+
+    # A private fork server (its own preload list), stopped with SIGSTOP: the workers die
+    # of SIGKILL, but the server that must report their exits never does.
+    preload = ("tests.children.faults",)
+    fifo = ReadyFifo(tmp_path)
+    server_pid = None
+    try:
+        ctx = aioelastic.start_processes(
+            "unreported",
+            core.block_forever,
+            {0: (str(fifo.path), True)},
+            envs(1),
+            start_method="forkserver",
+            forkserver_preload=preload,
+            grace_period=0.5,
+        )
+        async with ctx:
+            await fifo.lines(1)
+            server_pid = fork_server(preload).pid
+            assert server_pid is not None
+            os.kill(server_pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with anyio.fail_after(60):
+                await ctx.close()
+            took = time.monotonic() - start
+            result = await ctx.wait()
+        assert took < 0.5 + CHILDREN_KILL_TIMEOUT + 15
+        assert result is not None
+        assert result.is_failed()
+        failure = result.failures[0]
+        assert failure.exitcode == 1
+        assert failure.message == (
+            "worker 0 was not seen exiting 5 s after SIGKILL (uninterruptible sleep, or a "
+            "stopped fork server?); its exit status is unknown"
+        )
+    finally:
+        fifo.close()
+        if server_pid is not None:
+            os.kill(server_pid, signal.SIGCONT)
