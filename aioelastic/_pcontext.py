@@ -616,8 +616,13 @@ class PContext:
         root = self._log_root
         if not self._temporary_log_root or root is None:
             return
-        if _holds_files(root):
-            logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
+        try:
+            if _holds_files(root):
+                logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
+                return
+        except OSError as exc:
+            # Cannot look (EMFILE): keep it; a later start removes it if it stayed empty.
+            logger.warning("aioelastic: temporary log directory %s kept: %s", root, exc)
             return
         shutil.rmtree(root, ignore_errors=True)
 

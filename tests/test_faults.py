@@ -309,6 +309,16 @@ def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error(metho
     assert left == {"children": [], "fds": []}
 
 
+def test_teardown_completes_with_no_file_descriptor_left(tmp_path: Path) -> None:
+    # Workers whose grandchildren ignore SIGTERM; then every free fd is taken: /proc
+    # cannot be listed and no pidfd opened while close() runs. The groups must not be
+    # taken for empty: the grandchildren are SIGKILLed, everything is reaped.
+    proc, took = supervise("teardown_without_fds", str(tmp_path), timeout=90)
+    assert took < 90
+    assert proc.returncode == 0, proc.stderr
+    assert json_lines(proc.stderr) == [{"close": "closed", "children": [], "members": []}]
+
+
 def test_a_process_whose_pidfd_cannot_be_opened_is_killed_and_reaped() -> None:
     # One fork worker: some limit leaves exactly the fds of its pipes and log files free,
     # so the fork succeeds and the pidfd of the new process fails with EMFILE.

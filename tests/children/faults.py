@@ -11,7 +11,9 @@ import json
 import os
 import resource
 import signal
+import subprocess
 import sys
+import threading
 import traceback
 from typing import Any
 
@@ -19,6 +21,7 @@ import anyio
 import anyio.to_thread
 
 import aioelastic
+from aioelastic import _platform
 from aioelastic._platform import children_of
 from aioelastic._watchdog import watchdog
 from tests.children import core
@@ -112,6 +115,65 @@ def _innermost_function(exc: BaseException) -> str:
     return traceback.extract_tb(cause.__traceback__)[-1].name
 
 
+def grandchild_ignoring_term(fifo: str) -> None:
+    """Start a grandchild (in our group) that ignores SIGTERM, say ready, block."""
+    child = subprocess.Popen(
+        ["sleep", "1000"], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    )
+    with open(fifo, "w") as f:
+        f.write(f"ready {child.pid}\n")
+    threading.Event().wait()
+
+
+async def teardown_without_fds(directory: str) -> None:
+    """Start workers with grandchildren, then take every free fd away and close().
+
+    Prints how close() ended, then (limit restored) what was left: live or unreaped
+    children and processes of the workers' groups.
+    """
+    fifo = os.path.join(directory, "ready.fifo")
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    keep = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    ctx = aioelastic.start_processes(
+        "nofds",
+        grandchild_ignoring_term,
+        {0: (fifo,), 1: (fifo,)},
+        {0: {}, 1: {}},
+        log_dir=os.path.join(directory, "logs"),
+        start_method="fork",
+        grace_period=1.0,
+    )
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    outcome = "closed"
+    async with ctx:
+        seen = b""
+        with anyio.fail_after(30):
+            while seen.count(b"\n") < 2:
+                await anyio.wait_readable(reader)
+                seen += os.read(reader, 4096)
+        pgids = set(ctx.pids().values())
+        # Below the lowest free fd number: nothing (pidfd, /proc listing, pipe) can be
+        # opened any more, even once the exit path closes some descriptors.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (3, hard))
+        try:
+            with anyio.fail_after(60):
+                await ctx.close()
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    os.close(reader)
+    os.close(keep)
+    members = _platform.live_group_members(pgids)
+    left = set(children_of(os.getpid())) - {watchdog.pid}
+    print(
+        json.dumps({"close": outcome, "children": sorted(left), "members": sorted(members)}),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 async def nofile_sweep(low: str, high: str, nprocs: str, method: str = "spawn") -> None:
     """Run the same group at each RLIMIT_NOFILE from ``low`` to ``high``.
 
@@ -157,6 +219,7 @@ CASES = {
     "sigchld_ignored": sigchld_ignored,
     "sigchld_ignored_thread": sigchld_ignored_thread,
     "fsize": fsize,
+    "teardown_without_fds": teardown_without_fds,
     "nofile_sweep": nofile_sweep,
     "tee_lines": tee_lines,
 }
