@@ -420,11 +420,14 @@ class PContext:
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
                 problems.append(problem)
-        problems += worker.log_faults()
         own_failure = worker.returncode != 0 and not worker.signalled
         if not problems and not own_failure:
+            # A log file that could not be written (full disk) is reported with the
+            # group's result (see _result), not as a failure now: the other workers
+            # are not stopped for it.
             worker.succeeded = worker.returncode == 0
             return
+        problems += worker.log_faults()
         worker.succeeded = False
         worker.return_value = None
         failure = await self._build_failure(worker)
@@ -520,8 +523,8 @@ class PContext:
     def _result(self) -> RunProcsResult:
         workers = self._ranked()
         for worker in workers:
-            # A log file that stopped being written after the rank's outcome was settled
-            # (a grandchild kept writing to the full disk): the record is incomplete.
+            # A log file that could not be written to the end (a full disk, the file size
+            # limit): the run's record is incomplete, so the result must not say success.
             faults = worker.log_faults()
             if worker.failure is None and faults and worker.returncode is not None:
                 text = "; ".join(faults)

@@ -124,6 +124,46 @@ async def test_full_log_disk_is_reported_and_the_worker_is_not_blocked(full_tmpf
     assert 0 < int(match.group(1)) < 400_000
 
 
+@pytest.mark.asyncio
+async def test_a_full_log_disk_does_not_stop_the_other_workers(full_tmpfs: Path) -> None:
+    import os
+
+    ready = ReadyFifo(full_tmpfs.parent)
+    go = full_tmpfs.parent / "go.fifo"
+    os.mkfifo(go)
+    log_dir = full_tmpfs / "logs"
+    try:
+        ctx = aioelastic.start_processes(
+            "partial",
+            faults.flood_or_wait,
+            {r: (str(ready.path), str(go), 400_000) for r in range(2)},
+            {0: {"ROLE": "flood"}, 1: {}},
+            log_dir=log_dir,
+            redirects={0: aioelastic.Std.OUT, 1: aioelastic.Std.NONE},
+        )
+        with anyio.fail_after(60):
+            async with ctx:
+                (line,) = await ready.lines(1)
+                assert line.startswith("ready ")
+                # Rank 0 exits (seen without reaping it) with its log cut short...
+                flooder = ctx.pids()[0]
+                await anyio.to_thread.run_sync(
+                    os.waitid, os.P_PID, flooder, os.WEXITED | os.WNOWAIT
+                )
+                # ...and rank 1 is still there to be released, not stopped.
+                with open(go, "w") as f:
+                    f.write("go\n")
+                assert await ready.lines(1) == ["released"]
+                result = await ctx.wait()
+    finally:
+        ready.close()
+    assert result is not None
+    assert set(result.failures) == {0}
+    assert result.failures[0].exitcode == 0
+    assert "not written past byte" in result.failures[0].message
+    assert result.return_values == {}
+
+
 def test_full_log_disk_through_aioelastic_run(full_tmpfs: Path) -> None:
     log_dir = full_tmpfs / "logs"
     start = time.monotonic()

@@ -247,3 +247,17 @@ def signal_state() -> tuple[str, str, str, list[int]]:
         name(signal.getsignal(signal.SIGINT)),
         sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
     )
+
+
+def flood_or_wait(fifo: str, go_fifo: str, count: int) -> str:
+    """Rank 0 writes ``count`` bytes and exits; rank 1 says ready, waits for go, says so."""
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("ROLE") == "flood":
+        write_bytes(count)
+        return "flooded"
+    with open(fifo, "w") as f:
+        f.write(f"ready {os.getpid()}\n")
+    with open(go_fifo) as f:
+        f.readline()
+    with open(fifo, "w") as f:
+        f.write("released\n")
+    return "released"
