@@ -179,10 +179,7 @@ def _reset_inherited_signal_state() -> None:
     # The parent's event loop set a wakeup fd; left in place, a signal to this child
     # would be written into the *parent's* loop and run the parent's handlers.
     signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP, signal.SIGPIPE):
-        signal.signal(sig, signal.SIG_DFL if sig != signal.SIGPIPE else signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    _platform.default_signal_state(python=True)
 
 
 def _redirect_stdio(stdout_fd: int | None, stderr_fd: int) -> None:

@@ -72,8 +72,10 @@ class PidfdWatch:
         """See :meth:`ExitWatch.reap`."""
         if self._pidfd is None:
             return
+        # WNOHANG: teardown may give up on a process that outlived SIGKILL (uninterruptible
+        # sleep); blocking here would stall the event loop. It is left to the subreaper.
         try:
-            os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED)
+            os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOHANG)
         except ChildProcessError:
             pass
         os.close(self._pidfd)
@@ -130,7 +132,7 @@ class ThreadWatch:
             return
         self._reaped = True
         try:
-            os.waitpid(self.pid, 0)
+            os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             pass
         _subreaper.own_children.discard(self.pid)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing.spawn
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -78,6 +79,30 @@ class Launched:
     payload_fd: int | None = None
 
 
+def kill_and_reap(launched: Launched) -> None:
+    """SIGKILL a process that exists but could not be recorded, and reap it (blocks briefly)."""
+    _platform.signal_group(launched.pid, signal.SIGKILL)
+    try:
+        os.waitid(os.P_PID, launched.pid, os.WEXITED | os.WNOWAIT)
+    except ChildProcessError:
+        pass  # a fork-server worker: not our child; its server reaps it
+    launched.watch.reap()
+
+
+def _watch_or_kill(pid: int) -> ExitWatch:
+    """``watch_child(pid)``; if that fails (EMFILE on the pidfd), the child is not left behind."""
+    try:
+        return watch_child(pid)
+    except BaseException:
+        _platform.signal_group(pid, signal.SIGKILL)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        _subreaper.own_children.discard(pid)
+        raise
+
+
 def _register(popen: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
     _subreaper.own_children.add(popen.pid)
     return popen
@@ -93,6 +118,7 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
 def _binary_preexec(parent_pid: int) -> Callable[[], None]:
     def preexec() -> None:
         _platform.die_with_parent(parent_pid)
+        _platform.default_signal_state(python=False)
 
     return preexec
 
@@ -114,7 +140,7 @@ def start_binary(
                 **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
             )
         )
-    launched = Launched(popen.pid, watch_child(popen.pid))
+    launched = Launched(popen.pid, _watch_or_kill(popen.pid))
     _disown(popen)
     return launched
 
@@ -178,6 +204,8 @@ def start_spawn(
     payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
     try:
         popen = start_python(
+            "from aioelastic._platform import default_signal_state; "
+            "default_signal_state(python=True); "
             "from aioelastic._bootstrap import spawn_main; "
             f"spawn_main({payload_r}, {result_fd}, {os.getpid()})",
             env,
@@ -190,7 +218,12 @@ def start_spawn(
         raise
     finally:
         os.close(payload_r)
-    launched = Launched(popen.pid, watch_child(popen.pid), payload_fd=payload_w)
+    try:
+        watch = _watch_or_kill(popen.pid)
+    except BaseException:
+        os.close(payload_w)
+        raise
+    launched = Launched(popen.pid, watch, payload_fd=payload_w)
     _disown(popen)
     return launched
 
@@ -238,4 +271,4 @@ def start_fork(
         os.setpgid(pid, pid)
     except OSError:
         pass
-    return Launched(pid, watch_child(pid))
+    return Launched(pid, _watch_or_kill(pid))

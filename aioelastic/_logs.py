@@ -69,6 +69,9 @@ class StreamPump:
         self._fd: int | None = fd
         self._log_path = log_path
         self._log_fd: int | None = None
+        #: Bytes appended to the log file so far, and why appending stopped (if it did).
+        self._log_written = 0
+        self._log_error: OSError | None = None
         self._console = console
         self._prefix = prefix
         self._partial = bytearray()
@@ -78,6 +81,10 @@ class StreamPump:
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
+
+    def fileno(self) -> int | None:
+        """The pipe's read end, ``None`` once closed."""
+        return self._fd
 
     def open_log(self) -> None:
         """Create the log file; refuses to overwrite one (``O_EXCL``)."""
@@ -159,6 +166,28 @@ class StreamPump:
             os.close(self._log_fd)
             self._log_fd = None
 
+    def _append_to_log(self, chunk: bytes) -> None:
+        # A full disk (ENOSPC), the file-size limit (EFBIG) or an I/O error must not stop
+        # the pump: the pipe keeps being drained (a worker never blocks on a full pipe)
+        # and the console and the tail still get every byte. The file just ends here.
+        assert self._log_fd is not None
+        view = memoryview(chunk)
+        try:
+            while view:
+                written = os.write(self._log_fd, view)
+                self._log_written += written
+                view = view[written:]
+        except OSError as exc:
+            self._log_error = exc
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def log_fault(self) -> str | None:
+        """Why the log file is incomplete (``"... not written past byte N: ..."``), or ``None``."""
+        if self._log_error is None:
+            return None
+        return f"log {self._log_path} not written past byte {self._log_written}: {self._log_error}"
+
     def tail_lines(self) -> list[str]:
         """The last stderr lines (with a held partial line), decoded for a report.
 
@@ -174,7 +203,7 @@ class StreamPump:
 
     def _consume(self, chunk: bytes) -> None:
         if self._log_fd is not None:
-            _write_all(self._log_fd, chunk)
+            self._append_to_log(chunk)
         if self._console is None and self.tail is None:
             return
         end = chunk.rfind(b"\n") + 1
@@ -243,9 +272,3 @@ def _tail_entry(line: bytes) -> bytes:
 def _last_drawn(line: bytes) -> bytes:
     body = line.rstrip(b"\r")
     return body[body.rfind(b"\r") + 1 :]
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

@@ -9,9 +9,13 @@ warm :mod:`._forkserver`) for a process, whose child side is :mod:`._bootstrap`;
 
 from __future__ import annotations
 
+import errno
+import functools
 import logging
 import os
 import pickle
+import re
+import resource
 import shutil
 import signal
 import socket
@@ -22,21 +26,22 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 
-from . import _launchers
+from . import _launchers, _platform
 from ._bootstrap import FunctionCall
 from ._console import console
-from ._errors import ProcessFailure
+from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
 from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
-from ._teardown import stop_workers
+from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._validate import LaunchSpec, validate
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -46,6 +51,21 @@ logger = logging.getLogger("aioelastic")
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
 IO_DRAIN_TIMEOUT = 2.0
+#: How long building a failure report (reading the error file, off the event loop) may
+#: take. Past it the report is made without the file: an error file replaced by a FIFO
+#: or a hung network filesystem must not hold up the exit path.
+REPORT_TIMEOUT = 10.0
+#: Exit code reported for a worker whose exit status the kernel would not give (it was
+#: reaped behind our back); its failure message says so.
+UNKNOWN_EXIT_CODE = 1
+
+# Start errors that mean a resource limit was hit, and the limit to name in the message.
+_LIMIT_HINTS = {
+    errno.EMFILE: ("", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.ENFILE: ("", "ulimit -n", resource.RLIMIT_NOFILE),
+    errno.EAGAIN: (" (no more processes)", "ulimit -u", resource.RLIMIT_NPROC),
+    errno.ENOMEM: ("", "ulimit -v", resource.RLIMIT_AS),
+}
 
 
 @dataclass(frozen=True)
@@ -67,15 +87,15 @@ class PContext:
 
     def __init__(self, spec: LaunchSpec) -> None:
         self._spec = spec
-        self._workers: dict[int, WorkerProcess] = {}
-        self._failures: dict[int, ProcessFailure] = {}
-        self._return_values: dict[int, Any] = {}
+        self._workers: list[WorkerProcess] = []
         self._entered = False
         self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
         self._stopping = False
+        self._stop_scheduled = False
+        self._closing = False
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
         self._io_finished = False
@@ -94,7 +114,13 @@ class PContext:
 
     def pids(self) -> dict[int, int]:
         """Pid of each started worker, by local rank."""
-        return {rank: w.pid for rank, w in sorted(self._workers.items())}
+        return {w.local_rank: w.pid for w in self._ranked()}
+
+    def _ranked(self) -> list[WorkerProcess]:
+        return sorted(self._workers, key=lambda w: w.local_rank)
+
+    def _failed(self) -> bool:
+        return any(w.failure is not None for w in self._workers)
 
     # -- starting ---------------------------------------------------------------------
 
@@ -102,8 +128,12 @@ class PContext:
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
+        _platform.ensure_default_sigchld()
         prepared = self._prepare()
-        await _launchers.on_launcher_thread(watchdog.ensure_started)
+        try:
+            await _launchers.on_launcher_thread(watchdog.ensure_started)
+        except OSError as exc:
+            _raise_start_error(exc, f"the watchdog process of {self.name!r}")
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -113,17 +143,17 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
-        if self._failures:
-            # A worker failed while its siblings were still starting: its teardown was
-            # held back until now, so that it covers every worker that was started.
-            self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
+        # A worker that failed while its siblings were still starting had its teardown
+        # held back until now, so that it covers every worker that was started.
+        self._stop_if_failed()
         return self
 
     def _prepare(self) -> dict[int, _Prepared]:
         """Log directories, environments and pickled calls: all that can fail, before a start."""
         spec = self._spec
         if spec.log_dir is None:
-            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_"))
+            _remove_stale_temporary_roots()
+            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_p{os.getpid()}_"))
         else:
             root = spec.log_dir
         try:
@@ -169,19 +199,20 @@ class PContext:
             ) from exc
 
     async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
-        errors: list[BaseException] = []
+        errors: list[tuple[int, BaseException]] = []
 
         async def start(rank: int) -> None:
             try:
                 await self._start_worker(rank, prepared[rank])
             except Exception as exc:
-                errors.append(exc)
+                errors.append((rank, exc))
 
         async with anyio.create_task_group() as tg:
             for rank in range(self._spec.nprocs):
                 tg.start_soon(start, rank)
         if errors:
-            raise errors[0]
+            rank, exc = errors[0]
+            _raise_start_error(exc, f"worker {rank} of {self.name!r}")
 
     async def _start_worker(self, rank: int, prepared: _Prepared) -> None:
         spec = self._spec
@@ -190,36 +221,56 @@ class PContext:
         rank_dir = self._log_root / str(rank)
         stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
         stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
-        res_r, res_w = os.pipe2(os.O_CLOEXEC) if not spec.is_binary else (-1, -1)
-        child_ends = [fd for fd in (out_w, err_w, res_w) if fd >= 0]
-        parent_ends = [fd for fd in (out_r, err_r, res_r) if fd >= 0]
+        # Every fd made here is closed on any failure (EMFILE can strike at each step).
+        child_ends: list[int] = []
+        parent_ends: list[int] = []
+        pumps: list[StreamPump] = []
+
+        def pipe() -> tuple[int, int]:
+            r, w = os.pipe2(os.O_CLOEXEC)
+            parent_ends.append(r)
+            child_ends.append(w)
+            return r, w
+
         try:
+            out_r, out_w = pipe()
+            err_r, err_w = pipe()
+            res_r, res_w = pipe() if not spec.is_binary else (-1, -1)
             stdout_pump = StreamPump(out_r, **stdout)
+            pumps.append(stdout_pump)
             stderr_pump = StreamPump(err_r, **stderr)
+            pumps.append(stderr_pump)
             stdout_pump.open_log()
             stderr_pump.open_log()
             launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
         except BaseException:
-            for fd in parent_ends:
-                os.close(fd)
+            _close_parent_ends(pumps, parent_ends)
             raise
         finally:
             for fd in child_ends:
                 os.close(fd)
-        watchdog.watch(launched.pid)
-        worker = WorkerProcess(
-            local_rank=rank,
-            launched=launched,
-            error_file=prepared.error_file,
-            stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
-            stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
-            stdout=stdout_pump,
-            stderr=stderr_pump,
-            result=ResultReceiver(res_r) if res_r >= 0 else None,
-        )
-        self._workers[rank] = worker
+        try:
+            watchdog.watch(launched.pid)
+            worker = WorkerProcess(
+                local_rank=rank,
+                launched=launched,
+                error_file=prepared.error_file,
+                stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
+                stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
+                stdout=stdout_pump,
+                stderr=stderr_pump,
+                result=ResultReceiver(res_r) if res_r >= 0 else None,
+            )
+        except BaseException:
+            # The process exists but nothing would ever stop or reap it: do both now.
+            with anyio.CancelScope(shield=True):
+                await _launchers.on_launcher_thread(_launchers.kill_and_reap, launched)
+            watchdog.forget(launched.pid)
+            _close_parent_ends(pumps, parent_ends)
+            if launched.payload_fd is not None:
+                os.close(launched.payload_fd)
+            raise
+        self._workers.append(worker)
         self._tg.start_soon(self._monitor, worker)
         self._run_io(stdout_pump.run)
         self._run_io(stderr_pump.run)
@@ -318,58 +369,130 @@ class PContext:
     # -- watching ---------------------------------------------------------------------
 
     async def _monitor(self, worker: WorkerProcess) -> None:
-        # Shielded: the exit always comes (teardown guarantees it) and teardown itself
-        # waits for this task to record it.
-        with anyio.CancelScope(shield=True):
-            returncode = await worker.launched.watch.wait()
-        worker.exit_time = time.time()
-        worker.returncode = returncode
-        worker.drain_output()
-        worker.exited.set()
-        self._on_exit(worker)
+        """Record the worker's exit, then its outcome — whatever fails on the way.
 
-    def _on_exit(self, worker: WorkerProcess) -> None:
-        if worker.returncode == 0:
+        The one rule of the exit path: the exit is always recorded (``exited``), with the
+        real exit status, and the outcome always settled (``settled``); a fault while
+        reading the status, the output, the return value or the error file becomes part
+        of this rank's failure instead of escaping. Teardown waits on both events.
+        Shielded: the exit always comes (teardown guarantees it).
+        """
+        with anyio.CancelScope(shield=True):
+            try:
+                with worker.watch_scope:
+                    worker.returncode = await worker.launched.watch.wait()
+                if worker.watch_scope.cancelled_caught:
+                    worker.returncode = UNKNOWN_EXIT_CODE
+                    worker.faults.append(
+                        f"was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
+                        "(uninterruptible sleep, or a stopped fork server?); its exit "
+                        "status is unknown"
+                    )
+            except Exception as exc:
+                worker.returncode = UNKNOWN_EXIT_CODE
+                worker.faults.append(
+                    f"exited, but its exit status could not be read ({exc}); "
+                    "was SIGCHLD ignored by another part of this process?"
+                )
+            worker.exit_time = time.time()
+            try:
+                worker.drain_output()
+            except Exception as exc:
+                worker.faults.append(f"its output could not be read to the end ({exc!r})")
+            worker.exited.set()
+            try:
+                await self._settle(worker)
+            except Exception as exc:
+                logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
+                worker.failure = _bare_failure(
+                    worker, f"worker {worker.local_rank} exit could not be reported: {exc!r}"
+                )
+            finally:
+                worker.settled.set()
+                self._after_settle()
+
+    async def _settle(self, worker: WorkerProcess) -> None:
+        assert worker.returncode is not None
+        problems = list(worker.faults)
+        if worker.returncode == 0 and not problems:
             problem = self._collect_return_value(worker)
             # A worker we stopped may exit 0 without a value (a SIGTERM handler that
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
-                self._record_failure(worker, problem)
-        elif not worker.signalled:
-            self._record_failure(worker, None)
-        if self._failures or len(self._return_values) == self.nprocs:
-            self._done.set()
+                problems.append(problem)
+        own_failure = worker.returncode != 0 and not worker.signalled
+        if not problems and not own_failure:
+            # A log file that could not be written (full disk) is reported with the
+            # group's result (see _result), not as a failure now: the other workers
+            # are not stopped for it.
+            worker.succeeded = worker.returncode == 0
+            return
+        problems += worker.log_faults()
+        worker.succeeded = False
+        worker.return_value = None
+        failure = await self._build_failure(worker)
+        if problems:
+            text = "; ".join(problems)
+            if own_failure:
+                failure.message = f"{failure.message}\n(worker {worker.local_rank} also: {text})"
+            else:
+                failure.message = f"worker {worker.local_rank} {text}"
+        worker.failure = failure
 
     def _collect_return_value(self, worker: WorkerProcess) -> str | None:
         if worker.result is None:
-            self._return_values[worker.local_rank] = None
             return None
         if not worker.result.complete:
             return "exited with code 0 but sent no return value (did it call os._exit(0)?)"
         try:
-            self._return_values[worker.local_rank] = pickle.loads(worker.result.payload())
-        except Exception as exc:
+            worker.return_value = pickle.loads(worker.result.payload())
+        except BaseException as exc:
+            # Unpickling runs code chosen by the worker's objects (``__reduce__``): it can
+            # raise SystemExit or KeyboardInterrupt here, in the supervisor. Either is
+            # this rank's failure, never the supervisor's exit.
             return f"its return value could not be unpickled by the supervisor: {exc!r}"
         return None
 
-    def _record_failure(self, worker: WorkerProcess, problem: str | None) -> None:
+    async def _build_failure(self, worker: WorkerProcess) -> ProcessFailure:
+        """The rank's failure report, with its error file read off the event loop (bounded)."""
         assert worker.returncode is not None
         assert worker.exit_time is not None
-        failure = ProcessFailure.from_exit(
+        build = functools.partial(
+            ProcessFailure.from_exit,
             local_rank=worker.local_rank,
             pid=worker.pid,
-            exitcode=worker.returncode if problem is None else 1,
+            exitcode=worker.returncode,
             error_file=worker.error_file,
             exit_time=worker.exit_time,
             stderr_tail=worker.stderr.tail_lines(),
         )
-        if problem is not None:
-            failure.message = f"worker {worker.local_rank} {problem}"
-        first = not self._failures
-        self._failures[worker.local_rank] = failure
-        if first and self._started and self._tg is not None:
-            # A failed group is torn down the moment the failure is seen, whether or not
-            # anyone is in wait() right now.
+        fault = f"timed out after {REPORT_TIMEOUT:g} s"
+        with anyio.move_on_after(REPORT_TIMEOUT):
+            try:
+                # Abandoned on timeout: a read blocked on a FIFO ends when the thread
+                # does, not before; it holds no lock of ours.
+                return await anyio.to_thread.run_sync(build, abandon_on_cancel=True)
+            except Exception as exc:
+                fault = repr(exc)
+        failure = _bare_failure(worker, "")
+        failure.message = (
+            f"{failure.message} (its error file {worker.error_file} could not be read: {fault})"
+        )
+        return failure
+
+    def _after_settle(self) -> None:
+        if self._failed():
+            self._done.set()
+            self._stop_if_failed()
+        elif sum(w.succeeded for w in self._workers) == self.nprocs:
+            self._done.set()
+
+    def _stop_if_failed(self) -> None:
+        # A failed group is torn down the moment the failure is seen, whether or not
+        # anyone is in wait() right now.
+        if self._failed() and self._started and not self._stop_scheduled:
+            self._stop_scheduled = True
+            assert self._tg is not None
             self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
 
     # -- waiting ----------------------------------------------------------------------
@@ -380,7 +503,9 @@ class PContext:
         Returns when every worker exited 0, or when the first worker failed — in that
         case after the others were stopped. With ``timeout`` (seconds; 0 only checks),
         returns ``None`` if the workers are still running, and leaves them running.
-        Cancelling a ``wait()`` does not stop the workers.
+        Cancelling a ``wait()`` does not stop the workers. A ``wait()`` that returns
+        because another task called :meth:`close` first gets a result with
+        ``stopped=True`` (see :class:`RunProcsResult`).
         """
         if not self._entered:
             raise RuntimeError("wait() needs the workers started: use 'async with' first")
@@ -391,17 +516,31 @@ class PContext:
                 await self._done.wait()
             if not self._done.is_set():
                 return None
-        if self._failures:
+        if self._failed():
             await self._stopped.wait()
         return self._result()
 
     def _result(self) -> RunProcsResult:
-        workers = sorted(self._workers.values(), key=lambda w: w.local_rank)
+        workers = self._ranked()
+        for worker in workers:
+            # A log file that could not be written to the end (a full disk, the file size
+            # limit): the run's record is incomplete, so the result must not say success.
+            faults = worker.log_faults()
+            if worker.failure is None and faults and worker.returncode is not None:
+                text = "; ".join(faults)
+                worker.failure = _bare_failure(worker, f"worker {worker.local_rank} {text}")
+                worker.succeeded = False
+        failures = {w.local_rank: w.failure for w in workers if w.failure is not None}
+        # Neither failed nor all succeeded: close() ended the group first.
+        stopped = not failures and sum(w.succeeded for w in workers) < self.nprocs
         return RunProcsResult(
-            return_values={} if self._failures else dict(sorted(self._return_values.items())),
-            failures=dict(sorted(self._failures.items())),
+            return_values={}
+            if failures or stopped
+            else {w.local_rank: w.return_value for w in workers},
+            failures=failures,
             stdouts={w.local_rank: w.stdout_path for w in workers},
             stderrs={w.local_rank: w.stderr_path for w in workers},
+            stopped=stopped,
         )
 
     # -- stopping ---------------------------------------------------------------------
@@ -413,12 +552,16 @@ class PContext:
 
         Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
         ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
-        group that still has a member, and reaps. A call with SIGKILL or a zero grace
-        period while another close is in progress skips the rest of its grace period.
+        group that still has a member, and reaps. A second ``close()`` while one is in
+        progress (a second Ctrl-C, say) escalates: the rest of the grace period is
+        skipped and every group is SIGKILLed at once, whatever its arguments.
         """
         if not self._entered:
             return
         grace = self._spec.grace_period if grace_period is None else grace_period
+        if self._closing:
+            self._escalate.set()
+        self._closing = True
         with anyio.CancelScope(shield=True):
             await self._stop(death_sig, grace)
             await self._finish_io()
@@ -432,9 +575,12 @@ class PContext:
         self._stopping = True
         try:
             with anyio.CancelScope(shield=True):
-                await stop_workers(
-                    list(self._workers.values()), death_sig, grace_period, self._escalate
-                )
+                await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
+                # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
+                # point sees every failure, not a half-reported group.
+                with anyio.move_on_after(REPORT_TIMEOUT + 1):
+                    for worker in self._workers:
+                        await worker.settled.wait()
         finally:
             self._done.set()
             self._stopped.set()
@@ -443,7 +589,7 @@ class PContext:
         if self._io_finished:
             return
         self._io_finished = True
-        pumps = [p for w in self._workers.values() for p in (w.stdout, w.stderr)]
+        pumps = [p for w in self._workers for p in (w.stdout, w.stderr)]
         # Every writer is dead now, so the pipes reach end-of-file at once — unless a
         # descendant escaped its process group and still holds one.
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):
@@ -454,11 +600,14 @@ class PContext:
         for pump in pumps:
             pump.drain(max_chunks=1024)
             pump.finish()
-        for worker in self._workers.values():
+        for worker in self._workers:
             if worker.result is not None:
                 worker.result.close()
-        for stream in (console("stdout"), console("stderr")):
-            await stream.flush()
+        # Bounded: a console whose reader stopped reading (a paused terminal, a full
+        # pipe nobody drains) must not hold up the end of the run.
+        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
+            for stream in (console("stdout"), console("stderr")):
+                await stream.flush()
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
@@ -470,8 +619,13 @@ class PContext:
         root = self._log_root
         if not self._temporary_log_root or root is None:
             return
-        if any(path.is_file() for path in root.rglob("*")):
-            logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
+        try:
+            if _holds_files(root):
+                logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
+                return
+        except OSError as exc:
+            # Cannot look (EMFILE): keep it; a later start removes it if it stayed empty.
+            logger.warning("aioelastic: temporary log directory %s kept: %s", root, exc)
             return
         shutil.rmtree(root, ignore_errors=True)
 
@@ -487,6 +641,85 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
+
+
+#: A temporary log root: ``aioelastic_{name}_p{owner pid}_{random}``.
+_TEMPORARY_ROOT = re.compile(r"aioelastic_.*_p(\d+)_[^_]+")
+
+
+def _remove_stale_temporary_roots() -> None:
+    """Remove the empty temporary log roots of supervisors that died (SIGKILL, OOM).
+
+    Error files are written by the workers themselves, so a root must exist before they
+    start and cannot be created lazily; a supervisor that is killed leaves it behind. Only
+    a root whose owner pid is gone and that holds no file is removed: logs and error
+    files are never deleted.
+    """
+    tmp = Path(tempfile.gettempdir())
+    try:
+        entries = list(tmp.iterdir())
+    except OSError:
+        return
+    for entry in entries:
+        match = _TEMPORARY_ROOT.fullmatch(entry.name)
+        if match is None or _pid_alive(int(match.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink() and not _holds_files(entry):
+                shutil.rmtree(entry, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: alive, someone else's
+    return True
+
+
+def _holds_files(root: Path) -> bool:
+    return any(not path.is_dir() or path.is_symlink() for path in root.rglob("*"))
+
+
+def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
+    """A failure report made without the error file."""
+    assert worker.returncode is not None
+    return ProcessFailure(
+        local_rank=worker.local_rank,
+        pid=worker.pid,
+        exitcode=worker.returncode,
+        error_file=NOT_AVAILABLE,
+        message=message or f"exited with code {worker.returncode}",
+        timestamp=worker.exit_time or time.time(),
+    )
+
+
+def _close_parent_ends(pumps: list[StreamPump], parent_ends: list[int]) -> None:
+    owned = set()
+    for pump in pumps:
+        owned.add(pump.fileno())
+        pump.finish()
+    for fd in parent_ends:
+        if fd not in owned:
+            os.close(fd)
+
+
+def _raise_start_error(exc: BaseException, what: str) -> NoReturn:
+    """Re-raise ``exc``; a resource limit as an OSError naming the limit and what failed."""
+    if not isinstance(exc, OSError) or exc.errno not in _LIMIT_HINTS:
+        raise exc
+    reason, command, limit = _LIMIT_HINTS[exc.errno]
+    soft, _ = resource.getrlimit(limit)
+    now = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    raise OSError(
+        exc.errno,
+        f"cannot start {what}: {os.strerror(exc.errno)}{reason}; "
+        f"raise the limit with `{command}` (now {now}) or start fewer workers",
+    ) from exc
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:

@@ -98,11 +98,12 @@ def _processes() -> Iterator[tuple[int, str, int, int]]:
     """``(pid, state letter, ppid, pgrp)`` of every process, in one pass over ``/proc``.
 
     A process that exits while being read is skipped.
+
+    Raises:
+        OSError: ``/proc`` cannot be listed (EMFILE: no fd left). Never an empty answer
+            then — "no process" would let teardown believe a group is empty.
     """
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return
+    entries = os.listdir("/proc")
     for entry in entries:
         if not entry.isdigit():
             continue
@@ -183,3 +184,66 @@ def returncode_from_siginfo(info: os.waitid_result) -> int:
     if info.si_code == os.CLD_EXITED:
         return int(info.si_status)
     return -int(info.si_status)
+
+
+#: Signals whose disposition a new worker gets reset (all but SIGKILL and SIGSTOP).
+RESETTABLE_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
+
+
+def default_signal_state(python: bool) -> None:
+    """In a new worker, before it runs user code: every disposition default, none blocked.
+
+    What the supervisor inherited (``SIGHUP`` ignored under ``nohup``, ``SIGINT`` ignored
+    in a background job, a blocked mask, handlers of the host program) must not reach
+    its workers. ``python=True`` (function workers) leaves what a fresh interpreter
+    itself sets: ``SIGINT`` raises KeyboardInterrupt, ``SIGPIPE`` and ``SIGXFSZ`` are
+    ignored (so that writes fail with EPIPE/EFBIG instead of killing it).
+
+    Every start method calls this: ``fork`` and the fork server in the forked child,
+    ``spawn`` first thing in the new interpreter, binaries between fork and exec (exec
+    resets handlers but keeps ignored signals and the mask; with ``os.posix_spawn`` the
+    equivalent is ``setsigdef=RESETTABLE_SIGNALS, setsigmask=()``).
+    """
+    ignored = {signal.SIGPIPE, signal.SIGXFSZ} if python else set()
+    for sig in RESETTABLE_SIGNALS:
+        if python and sig == signal.SIGINT:
+            handler: Any = signal.default_int_handler
+        else:
+            handler = signal.SIG_IGN if sig in ignored else signal.SIG_DFL
+        try:
+            signal.signal(sig, handler)
+        except (OSError, ValueError):
+            pass  # a real-time signal reserved by the C library
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def ensure_default_sigchld() -> None:
+    """Undo an inherited ``SIGCHLD`` = ``SIG_IGN`` before any worker starts.
+
+    With ``SIGCHLD`` ignored the kernel reaps children itself, so their exit status is
+    lost (``waitid`` fails with ECHILD). A shell or a service manager can hand that
+    disposition down. The default disposition changes nothing else for an asyncio
+    program, so it is restored (and logged); outside the main thread, where Python
+    cannot change a disposition, this raises instead.
+
+    Raises:
+        RuntimeError: ``SIGCHLD`` is ignored and this is not the main thread.
+    """
+    # Imported here: spawned workers import this module and need neither.
+    import logging
+    import threading
+
+    if signal.getsignal(signal.SIGCHLD) != signal.SIG_IGN:
+        return
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "SIGCHLD is ignored (SIG_IGN) in this process, so the kernel would reap the "
+            "workers before their exit status could be read; call "
+            "signal.signal(signal.SIGCHLD, signal.SIG_DFL) in the main thread before "
+            "starting workers"
+        )
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    logging.getLogger("aioelastic").info(
+        "aioelastic: SIGCHLD was ignored (SIG_IGN); restored the default disposition so "
+        "that the workers' exit statuses can be read"
+    )

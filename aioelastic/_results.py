@@ -25,13 +25,18 @@ class RunProcsResult:
             redirected.
         stderrs: the path of each worker's stderr log file, ``""`` when its stderr was not
             redirected.
+        stopped: the group was stopped (``close()``, a signal) before every worker
+            succeeded and none failed by itself — a ``wait()`` that lost the race against
+            ``close()``. Then ``return_values`` is empty and :meth:`is_failed` is true:
+            the run did not complete.
     """
 
     return_values: dict[int, Any] = field(default_factory=dict)
     failures: dict[int, ProcessFailure] = field(default_factory=dict)
     stdouts: dict[int, str] = field(default_factory=dict)
     stderrs: dict[int, str] = field(default_factory=dict)
+    stopped: bool = False
 
     def is_failed(self) -> bool:
-        """Whether any worker failed."""
-        return bool(self.failures)
+        """Whether the run did not complete: a worker failed, or the group was stopped."""
+        return bool(self.failures) or self.stopped

@@ -69,10 +69,25 @@ async def stop_workers(
             _platform.signal_group(pgid, signal.SIGKILL)
         await _groups_empty(pending, pgids, children_timeout=CHILDREN_KILL_TIMEOUT)
     for worker in pending:
-        worker.launched.watch.reap()
+        if not worker.exited.is_set():
+            # Not gone CHILDREN_KILL_TIMEOUT after SIGKILL (uninterruptible sleep, or a
+            # fork server that never reports): stop watching, so that teardown ends.
+            # Its exit is then recorded with a status marked unknown.
+            worker.watch_scope.cancel()
+            await worker.exited.wait()
+    # Nothing below may stop the loop half-way: a worker left unreaped would hold its
+    # pid (and group id) forever. Errors are logged, never raised.
+    for worker in pending:
+        try:
+            worker.launched.watch.reap()
+        except OSError as exc:
+            logger.warning("aioelastic: reaping worker pid %d failed: %s", worker.pid, exc)
         worker.reaped = True
         watchdog.forget(worker.pid)
-    await sweep_strays()
+    try:
+        await sweep_strays()
+    except OSError as exc:
+        logger.warning("aioelastic: sweeping stray children failed: %s", exc)
 
 
 async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:
@@ -89,15 +104,27 @@ async def _groups_empty(
     (so nothing else needs signalling), ``False`` when members had to be waited for, or
     could not be (no pidfds).
     """
-    for worker in workers:
-        await worker.exited.wait()
-    members = _platform.live_group_members(pgids)
+    with anyio.move_on_after(children_timeout if children_timeout is not None else float("inf")):
+        for worker in workers:
+            await worker.exited.wait()
+    if not all(worker.exited.is_set() for worker in workers):
+        return False
+    # Out of file descriptors (EMFILE) neither /proc nor pidfds can be opened: then the
+    # members cannot be waited for, and the caller goes on to SIGKILL every group.
+    try:
+        members = _platform.live_group_members(pgids)
+    except OSError as exc:
+        logger.warning("aioelastic: cannot list the workers' process groups: %s", exc)
+        return False
     if not members:
         return True
     pidfds = []
     for pids in members.values():
         for pid in pids:
-            fd = _platform.pidfd_open(pid)
+            try:
+                fd = _platform.pidfd_open(pid)
+            except OSError:
+                continue
             if fd is not None:
                 pidfds.append(fd)
     if not pidfds:

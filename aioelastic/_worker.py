@@ -1,6 +1,6 @@
 """One worker's record: its rank, process, files, I/O pumps and what became of it.
 
-The supervisor keeps one :class:`WorkerProcess` per local rank instead of several
+The supervisor keeps one :class:`WorkerProcess` per local rank — never several
 dictionaries keyed by rank; torch-shaped ``dict[int, ...]`` views are built only at the
 API boundary (:class:`~aioelastic.RunProcsResult`).
 """
@@ -8,9 +8,11 @@ API boundary (:class:`~aioelastic.RunProcsResult`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
+from ._errors import ProcessFailure
 from ._launchers import Launched
 from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
@@ -35,7 +37,21 @@ class WorkerProcess:
     #: The supervisor signalled it before it exited: its exit is not its own failure.
     signalled: bool = False
     reaped: bool = False
+    #: Around the wait for the exit; teardown cancels it for a worker that outlived
+    #: SIGKILL by its bound, so that nothing waits forever.
+    watch_scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
+    #: Set once the exit is recorded (``returncode`` known), whatever went wrong after.
     exited: anyio.Event = field(default_factory=anyio.Event)
+    #: Set once the outcome below is final (``failure`` or ``return_value`` or neither).
+    settled: anyio.Event = field(default_factory=anyio.Event)
+    #: How it failed, if it did.
+    failure: ProcessFailure | None = None
+    #: Whether it exited 0 with its return value received (``None`` for a binary).
+    succeeded: bool = False
+    return_value: Any = None
+    #: What went wrong in the supervisor while handling this worker (its exit status,
+    #: output or return value could not be fully taken in), for its failure report.
+    faults: list[str] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -48,3 +64,7 @@ class WorkerProcess:
             pump.drain(max_chunks=1024)
         if self.result is not None:
             self.result.drain()
+
+    def log_faults(self) -> list[str]:
+        """The log-file write errors of its two streams, as report lines."""
+        return [f for f in (self.stdout.log_fault(), self.stderr.log_fault()) if f]

@@ -395,3 +395,45 @@ async def test_a_forked_worker_can_supervise_workers_of_its_own(inner: str) -> N
             "outer", core.nested_supervisor, {0: (inner,)}, envs(1), start_method="fork"
         )
     assert result.return_values == {0: {0: 21, 1: 22}}
+
+
+async def test_a_second_close_always_escalates(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "twice", core.block_forever, {0: (str(ready.path), True)}, envs(1), grace_period=60
+        ) as ctx:
+            await ready.lines(1)
+            started = time.monotonic()
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(ctx.close)
+                    await anyio.wait_all_tasks_blocked()
+                    await ctx.close()  # same arguments: a second request, so SIGKILL now
+            took = time.monotonic() - started
+    finally:
+        ready.close()
+    assert took < 10
+
+
+async def test_stale_empty_temporary_log_roots_of_dead_supervisors_are_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"aioelastic_train_p{dead.pid}_k2j4"
+    (stale / "0").mkdir(parents=True)
+    kept_logs = tmp_path / f"aioelastic_train_p{dead.pid}_a1b2"
+    (kept_logs / "0").mkdir(parents=True)
+    (kept_logs / "0" / "stdout.log").write_text("the only record of that run\n")
+    alive = tmp_path / f"aioelastic_train_p{os.getppid()}_zz99"
+    (alive / "0").mkdir(parents=True)
+    with anyio.fail_after(60):
+        result = await aioelastic.run_processes("lazy", core.add, {0: (1, 2)}, envs(1))
+    assert result.return_values == {0: 3}
+    # Its own root stayed empty and went at close; the dead owner's empty one went at start.
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept_logs.name, alive.name])

@@ -10,6 +10,9 @@ workers' own exits, or the supervising task cancelled at a random moment. Some r
 in a supervising process of their own, to signal it (SIGINT, SIGTERM, SIGKILL) or to use
 subreaper mode with descendants that escape into their own session (``setsid``, a daemon's
 double fork) — :func:`aioelastic.enable_subreaper` is irreversible, so never in pytest.
+About one round in ten injects a fault of the environment instead (ENV_FAULTS: SIGCHLD
+ignored, a low RLIMIT_NOFILE, the console's reader gone, a return value whose unpickling
+raises SystemExit, a full log disk) and checks its exact outcome (tests/test_faults.py).
 
 After every round: no process the round started is alive (workers, grandchildren, escaped
 descendants), none is an unreaped zombie, no file descriptor is left open, no temporary
@@ -60,6 +63,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aioelastic
 from aioelastic import Std, _launchers, _platform
+from tests.children import faults as faults_children
 from tests.children import soak
 from tests.conftest import _long_lived_helper_fds, _open_fds, _zombie_children
 from tests.waits import ReadyFifo, is_running, process_state
@@ -110,6 +114,14 @@ KIND_WEIGHTS = {
 FINISHING = ("ok", "big")
 FAULTS = ("exit", "raise", "sigkill")
 BLOCK_CALLS = ("event", "sleep", "read", "select")
+#: Faults of the environment, one per "env" round (see tests/test_faults.py for each).
+ENV_FAULTS = (
+    "SIGCHLD ignored",
+    "RLIMIT_NOFILE low",
+    "console pipe closed",
+    "unpickling raises",
+    "log disk full",
+)
 METHOD_WEIGHTS = {"fork": 4, "forkserver": 4, "spawn": 1, "binary": 1}
 LOST = ("processes", "zombies", "fds", "temp files", "log lines")
 
@@ -135,6 +147,8 @@ class Round:
     #: For ending "trigger": the one fault released.
     trigger: int | None = None
     signal_to_supervisor: int = 0
+    #: For rounds "env": the fault of the environment injected (ENV_FAULTS).
+    env_fault: str = ""
     #: In every worker's environment (inherited by all their descendants that exec).
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
@@ -149,6 +163,8 @@ class Round:
         extra = (
             f" sig={signal.Signals(self.signal_to_supervisor).name}"
             if self.where == "signal"
+            else f" fault={self.env_fault}"
+            if self.where == "env"
             else ""
         )
         return (
@@ -197,7 +213,15 @@ def draw_round(rng: random.Random, number: int, directory: Path) -> Round:
     """A random round (all choices from ``rng``)."""
     fifo = str(directory / "ready.fifo")
     roll = rng.random()
-    where = "signal" if roll < 0.08 else "subreaper" if roll < 0.16 else "here"
+    where = (
+        "signal"
+        if roll < 0.08
+        else "subreaper"
+        if roll < 0.16
+        else "env"
+        if roll < 0.26
+        else "here"
+    )
     method = _weighted(rng, METHOD_WEIGHTS)
     nprocs = rng.randint(2, 4)
     redirects = [rng.choice([0, 0, 1, 2, 3]) for _ in range(nprocs)]
@@ -219,6 +243,11 @@ def draw_round(rng: random.Random, number: int, directory: Path) -> Round:
         ending="",
     )
     faults = [r for r, k in enumerate(kinds) if k in FAULTS]
+    if where == "env":
+        rnd.ending = "env"
+        rnd.env_fault = rng.choice(ENV_FAULTS)
+        rnd.method = rng.choice(["spawn", "fork"])
+        return rnd
     if where == "signal":
         rnd.ending = "signal"
         rnd.signal_to_supervisor = rng.choice([signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -851,6 +880,104 @@ async def run_in_child(rnd: Round, directory: Path, audit: Audit, faults: Counte
         audit_files(rnd, log_root, audit)
 
 
+async def run_env_fault(rnd: Round, directory: Path, audit: Audit, faults: Counter[str]) -> None:
+    """One fault of the environment; the outcome must be exact, in time, nothing left.
+
+    The process-wide faults (a signal disposition, an fd limit, the console) are made in a
+    supervising process of their own (tests/children/faults.py); the others here.
+    """
+    rng = random.Random(rnd.mark)
+    kind = rnd.env_fault
+    env = {**os.environ, soak.ROUND_MARK: rnd.mark}
+    ok = {"exitcodes": {}, "messages": {}, "failed": False}
+    if kind == "log disk full" and not _mount_tmpfs(directory / "disk"):
+        kind = "unpickling raises"  # no tmpfs without root: another fault instead
+    faults[f"env: {kind}"] += 1
+
+    def child(*argv: str, close_after_first_line: bool = False) -> tuple[int, list[Any]]:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.children.faults", *argv],
+            cwd=Path(__file__).resolve().parent.parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        if close_after_first_line:
+            proc.stdout.readline()
+            proc.stdout.close()
+            err = proc.stderr.read()
+            proc.wait(timeout=ROUND_TIMEOUT)
+        else:
+            _, err = proc.communicate(timeout=ROUND_TIMEOUT)
+        lines = [json.loads(x) for x in err.decode().splitlines() if x.startswith("{")]
+        return proc.returncode, lines
+
+    got: Any
+    want: Any
+    if kind == "SIGCHLD ignored":
+        code, lines = await anyio.to_thread.run_sync(child, "sigchld_ignored", rnd.method)
+        got = (code, [sorted(x.get("exitcodes", {}).values()) for x in lines])
+        want = (0, [[], [3], [-9], []])
+    elif kind == "RLIMIT_NOFILE low":
+        limit = str(rng.randint(14, 60))
+        code, lines = await anyio.to_thread.run_sync(child, "nofile_sweep", limit, limit, "3")
+        run = lines[0] if lines else {}
+        got = (code, "ulimit -n" in run.get("error", "") or not run.get("failed", True), lines[1:])
+        want = (0, True, [{"children": [], "fds": []}])
+    elif kind == "console pipe closed":
+        code, lines = await anyio.to_thread.run_sync(
+            lambda: child("tee_lines", "5000", close_after_first_line=True)
+        )
+        got, want = (code, lines), (0, [{**ok, "return_values": {"0": "5000"}}])
+    elif kind == "unpickling raises":
+        result = await aioelastic.run_processes(
+            "evil",
+            faults_children.returns_exit,
+            {0: ()},
+            {0: {soak.ROUND_MARK: rnd.mark}},
+            start_method=rnd.method,
+        )
+        got = {r: (f.exitcode, f.message) for r, f in result.failures.items()}
+        want = {
+            0: (
+                0,
+                "worker 0 its return value could not be unpickled by the supervisor: SystemExit(3)",
+            )
+        }
+    else:
+        try:
+            result = await aioelastic.run_processes(
+                "full",
+                faults_children.write_bytes,
+                {0: (200_000,)},
+                {0: {soak.ROUND_MARK: rnd.mark}},
+                log_dir=directory / "disk" / "logs",
+                redirects=Std.OUT,
+                start_method=rnd.method,
+            )
+        finally:
+            subprocess.run(["umount", "-l", str(directory / "disk")], check=True)
+        messages = [f.message for f in result.failures.values()]
+        got = [("No space left on device" in m, "not written past byte" in m) for m in messages]
+        want = [(True, True)]
+    if got != want:
+        audit.fail(None, f"{kind}: got {got!r}, expected {want!r}")
+    left = processes_with_mark(rnd.mark)
+    if left:
+        audit.fail("processes", f"{kind}: processes left alive {left}", len(left))
+        _kill_all(left)
+
+
+def _mount_tmpfs(path: Path) -> bool:
+    path.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
 def _leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, or ``exc`` itself."""
     inner = getattr(exc, "exceptions", None)
@@ -944,6 +1071,8 @@ async def test_soak(tmp_path: Path, private_tmp: Path, capsys: pytest.CaptureFix
                 with anyio.fail_after(ROUND_TIMEOUT):
                     if rnd.where == "here":
                         await run_here(rnd, directory, private_tmp, audit, faults, contexts)
+                    elif rnd.where == "env":
+                        await run_env_fault(rnd, directory, audit, faults)
                     else:
                         await run_in_child(rnd, directory, audit, faults)
                 tg.cancel_scope.cancel()
@@ -953,7 +1082,11 @@ async def test_soak(tmp_path: Path, private_tmp: Path, capsys: pytest.CaptureFix
                 audit.fail(None, f"{type(error).__name__}: {error} (at {where})")
             _kill_all(processes_with_mark(rnd.mark))
         rounds[
-            f"in a supervising process ({rnd.where})" if rnd.where != "here" else "in this process"
+            "in this process"
+            if rnd.where == "here"
+            else "a fault of the environment"
+            if rnd.where == "env"
+            else f"in a supervising process ({rnd.where})"
         ] += 1
         lost.update(audit.lost)
         known.update(audit.known)
