@@ -256,8 +256,7 @@ class PContext:
             return await _launchers.on_launcher_thread(
                 _launchers.start_spawn, env, out_w, err_w, res_w
             )
-        server = fork_server(spec.forkserver_preload)
-        return await _launchers.on_launcher_thread(server.start_worker, out_w, err_w, res_w)
+        return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w)
 
     def _pump(self, rank: int, stream: Std, log_path: Path) -> dict[str, Any]:
         spec = self._spec
