@@ -262,8 +262,10 @@ class ForkServer:
         self._sock: socket.socket | None = None
         self._popen: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
-        # Guards the fields and one request/answer exchange at a time on the socket.
+        # Guards the fields; held briefly, also from the event loop.
         self._lock = threading.Lock()
+        # One request/answer exchange at a time on the socket (launcher threads only).
+        self._talk = threading.Lock()
         # Set while one task starts the server; the others wait for it to be set.
         self._starting: threading.Event | None = None
 
@@ -377,7 +379,7 @@ class ForkServer:
         # With no stdout_fd: *our* current stdout, not the one the server started with.
         fds = [payload_r, stderr_fd, result_fd, status_w, 1 if stdout_fd is None else stdout_fd]
         try:
-            with self._lock:
+            with self._talk:
                 if sock is not self._sock:
                     raise _ServerGone("it was replaced")
                 try:

@@ -198,7 +198,10 @@ async def test_cancelling_a_start_while_the_server_imports_returns_at_once(
             assert is_running(server)
             cancelled_at = time.monotonic()
             tg.cancel_scope.cancel()
-        assert returned_at - cancelled_at < 1.0  # the import would block for ever
+        # Within a few ms (100 ms promised; generous for a loaded machine): the import
+        # would block for ever.
+        assert returned_at - cancelled_at < 1.0, returned_at - cancelled_at
+        print(f"cancel returned after {(returned_at - cancelled_at) * 1000:.1f} ms")
         assert process_state(server) is None  # killed and reaped
         assert fork_server(preload).pid is None
     finally:
