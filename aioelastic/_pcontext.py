@@ -344,7 +344,7 @@ class PContext:
             self._return_values[worker.local_rank] = None
             return None
         if not worker.result.complete:
-            return "exited with code 0 but sent no return value (did it call os._exit(0)?)"
+            return worker.result.incomplete_reason()
         try:
             self._return_values[worker.local_rank] = pickle.loads(worker.result.payload())
         except Exception as exc:

@@ -932,3 +932,27 @@ def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
     assert len(error_files) == 1
     assert _expected_message(kind, error_files[0]) in proc.stderr
     assert "Traceback" not in proc.stderr.split("FAILED")[0]
+
+
+# --- return values -------------------------------------------------------------------------
+
+
+def test_a_truncated_return_value_says_how_much_arrived() -> None:
+    from aioelastic._result_pipe import ResultReceiver
+
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    receiver = ResultReceiver(read_end)
+    try:
+        assert receiver.incomplete_reason() == (
+            "exited with code 0 but sent no return value (did it call os._exit(0)?)"
+        )
+        os.write(write_end, (100).to_bytes(8, sys.byteorder) + b"x" * 10)
+        os.close(write_end)
+        assert receiver.drain()  # end-of-file
+        assert not receiver.complete
+        assert receiver.incomplete_reason() == (
+            "exited with code 0 but sent only 10 of the 100 bytes of its pickled return value "
+            "(did something end it, or close its result pipe, while it was sending?)"
+        )
+    finally:
+        receiver.close()
