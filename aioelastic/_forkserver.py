@@ -155,6 +155,16 @@ class _Server:
         if not msg:
             return False
         if msg[:1] == b"S":
+            if len(fds) < 5:
+                # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
+                for received in fds:
+                    os.close(received)
+                _reply_error(
+                    self._sock,
+                    f"the fork server received {len(fds)} of the 5 pipes of a worker: its "
+                    "open-file limit (`ulimit -n`, RLIMIT_NOFILE) may be reached",
+                )
+                return True
             self._fork_worker(fds)
         elif msg[:1] == b"R":
             self._reap(int(msg[1:]))
@@ -200,13 +210,33 @@ class _Server:
         for fd in (payload_r, stderr_w, result_w, stdout_w):
             if fd is not None:
                 os.close(fd)
-        pidfd = _platform.pidfd_open(pid)
+        try:
+            self._watch(pid, status_w)
+        except Exception as e:
+            # Nobody could report this worker's exit: it must not run at all.
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            child = self._children.pop(pid, None)
+            if child is not None and child.pidfd is not None:
+                os.close(child.pidfd)
+            os.close(status_w)
+            _reply_error(
+                self._sock,
+                f"the fork server could not watch the worker it forked: {type(e).__name__}: {e}",
+            )
+            return
+        self._sock.sendmsg([b"P%d" % pid])
+
+    def _watch(self, pid: int, status_w: int) -> None:
+        try:
+            pidfd = _platform.pidfd_open(pid)
+        except OSError:
+            pidfd = None  # EMFILE, ENFILE: a thread watches without an fd
         self._children[pid] = _Child(status_w, pidfd)
         if pidfd is not None:
             self._selector.register(pidfd, selectors.EVENT_READ, pid)
         else:
             threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
-        self._sock.sendmsg([b"P%d" % pid])
 
     def _wait_in_thread(self, pid: int) -> None:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)

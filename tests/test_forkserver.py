@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -239,3 +240,36 @@ def test_inherited_signal_state_does_not_reach_the_server_or_its_workers() -> No
         "blocked": [],
     }
     assert report["failures"] == {"1": 3}  # exact statuses: 0, 3, 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_server_at_its_open_file_limit_gives_a_clear_start_error() -> None:
+    preload = ("tests.children.forkserver_nofile",)
+    try:
+        for attempt in range(2):
+            start = time.monotonic()
+            with pytest.raises(ForkServerError) as caught:
+                await aioelastic.run_processes(
+                    "nofile",
+                    core.add,
+                    {0: (1, 1)},
+                    envs(1),
+                    start_method="forkserver",
+                    forkserver_preload=preload,
+                )
+            assert time.monotonic() - start < 30
+            # How many fit depends on the fds the interpreter holds; never all five.
+            assert re.fullmatch(
+                r"the fork server received [0-4] of the 5 pipes of a worker: its open-file "
+                r"limit \(`ulimit -n`, RLIMIT_NOFILE\) may be reached",
+                str(caught.value),
+            )
+            server = fork_server(preload).pid
+            assert server is not None
+            assert is_running(server)
+            if attempt == 0:
+                first = server
+        assert server == first
+    finally:
+        _stop(preload)
