@@ -810,7 +810,10 @@ def _root_cause_data(root: ProcessFailure) -> dict[str, Any]:
         return data
     # No error file (a plain script, or a signal): torch records nothing here; we carry the
     # stderr tail or exit description so the outer report still shows the real cause.
-    ns = int(root.timestamp * 1e9)
+    when = root.timestamp
+    if not (isinstance(when, (int, float)) and math.isfinite(when) and 0 < when <= _MAX_TIMESTAMP):
+        when = time.time()  # set by hand to something no file should carry on
+    ns = int(when * 1e9)
     return {
         "message": {
             "message": root.message.strip().rsplit("\n", 1)[-1] or NOT_AVAILABLE,

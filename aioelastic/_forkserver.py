@@ -216,9 +216,9 @@ class _Server:
             # Nobody could report this worker's exit: it must not run at all.
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            child = self._children.pop(pid, None)
-            if child is not None and child.pidfd is not None:
-                os.close(child.pidfd)
+            watched = self._children.pop(pid) if pid in self._children else None
+            if watched is not None and watched.pidfd is not None:
+                os.close(watched.pidfd)
             os.close(status_w)
             _reply_error(
                 self._sock,

@@ -956,3 +956,22 @@ def test_a_truncated_return_value_says_how_much_arrived() -> None:
         )
     finally:
         receiver.close()
+
+
+def test_record_of_nested_failure_with_an_invalid_timestamp_still_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    nested = ChildFailedError("inner", {0: _failure(0, float("nan"), message="boom")})
+
+    @record
+    def main() -> None:
+        raise nested
+
+    before = time.time()
+    with pytest.raises(ChildFailedError):
+        main()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message == "boom"
+    assert before - 1 <= failure.timestamp <= time.time()
