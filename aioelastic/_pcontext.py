@@ -195,14 +195,21 @@ class PContext:
         res_r, res_w = os.pipe2(os.O_CLOEXEC) if not spec.is_binary else (-1, -1)
         child_ends = [fd for fd in (out_w, err_w, res_w) if fd >= 0]
         parent_ends = [fd for fd in (out_r, err_r, res_r) if fd >= 0]
+        pumps: list[StreamPump] = []
         try:
             stdout_pump = StreamPump(out_r, **stdout)
+            pumps.append(stdout_pump)
             stderr_pump = StreamPump(err_r, **stderr)
+            pumps.append(stderr_pump)
             stdout_pump.open_log()
             stderr_pump.open_log()
             launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
         except BaseException:
-            for fd in parent_ends:
+            # A pump owns its pipe and its log file (a start cancelled while the fork
+            # server imports its preload gets here with both open).
+            for pump in pumps:
+                pump.finish()
+            for fd in parent_ends[len(pumps) :]:
                 os.close(fd)
             raise
         finally:
