@@ -898,7 +898,7 @@ async def test_worker_that_sabotages_its_error_file_is_reported(tmp_path: Path, 
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "bad-timestamp"])
+@pytest.mark.parametrize("kind", BAD_FILES)
 def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
     tmp_path: Path, kind: str
 ) -> None:
