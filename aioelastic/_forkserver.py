@@ -38,7 +38,7 @@ import socket
 import subprocess
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 import anyio.to_thread
@@ -284,6 +284,15 @@ class _Server:
             os.close(child.pidfd)
 
 
+@dataclass
+class _Starting:
+    """One start of a server, as seen by the tasks waiting for it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    """Why it failed (the preload did not import); None if it worked or was cancelled."""
+
+
 class ForkServer:
     """The supervisor's handle on one fork server (started on first use, replaced if dead)."""
 
@@ -296,8 +305,8 @@ class ForkServer:
         self._lock = threading.Lock()
         # One request/answer exchange at a time on the socket (launcher threads only).
         self._talk = threading.Lock()
-        # Set while one task starts the server; the others wait for it to be set.
-        self._starting: threading.Event | None = None
+        # While one task starts the server, the others wait for it here.
+        self._starting: _Starting | None = None
 
     @property
     def pid(self) -> int | None:
@@ -346,20 +355,26 @@ class ForkServer:
                 starting = self._starting
                 owner = starting is None
                 if starting is None:
-                    starting = self._starting = threading.Event()
+                    starting = self._starting = _Starting()
             if not owner:
                 # Another task (maybe on another event loop) is starting it.
-                await anyio.to_thread.run_sync(starting.wait, abandon_on_cancel=True)
+                await anyio.to_thread.run_sync(starting.done.wait, abandon_on_cancel=True)
+                if starting.error is not None:
+                    # Its preload failed: a second import would fail the same way.
+                    raise ForkServerError(starting.error)
                 continue
             try:
                 sock, popen = await self._start_server()
                 with self._lock:
                     self._sock, self._popen, self._pid = sock, popen, popen.pid
                 return sock
+            except ForkServerError as e:
+                starting.error = str(e)
+                raise
             finally:
                 with self._lock:
                     self._starting = None
-                starting.set()
+                starting.done.set()
 
     async def _start_server(self) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)

@@ -273,3 +273,32 @@ async def test_a_server_at_its_open_file_limit_gives_a_clear_start_error() -> No
         assert server == first
     finally:
         _stop(preload)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_preload_that_fails_is_imported_once_for_all_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    preload = ("tests.children.forkserver_fails",)
+    imports = tmp_path / "imports"
+    monkeypatch.setenv("AIOELASTIC_TEST_IMPORTS", str(imports))
+    start = time.monotonic()
+    with pytest.raises(ForkServerError) as caught:
+        await aioelastic.run_processes(
+            "fails",
+            core.add,
+            {rank: (1, 1) for rank in range(4)},
+            envs(4),
+            start_method="forkserver",
+            forkserver_preload=preload,
+        )
+    assert time.monotonic() - start < 30
+    message = str(caught.value)
+    assert message.startswith(
+        "the fork server could not import "
+        "forkserver_preload=['tests.children.forkserver_fails']: Traceback"
+    )
+    assert message.endswith("ImportError: this preload fails to import on purpose")
+    assert len(imports.read_text().splitlines()) == 1
+    assert fork_server(preload).pid is None
