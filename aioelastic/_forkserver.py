@@ -401,6 +401,8 @@ class ForkServer:
             # start must return at once (then the half-started server is killed).
             await anyio.wait_readable(ours)
             answer = ours.recv(_MAX_MSG)
+        except (BrokenPipeError, ConnectionResetError):
+            answer = b""  # it died before reading its setup: reported below
         except BaseException:
             ours.close()
             _kill_and_reap(popen)
