@@ -20,9 +20,12 @@ import faulthandler
 import functools
 import json
 import logging
+import math
 import os
+import re
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -93,19 +96,180 @@ def write_error_file(
 def read_error_file(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     """Read an error file written by `write_error_file` or by torch.
 
+    The file is read as `ProcessFailure` reads it: only a regular file, never more than
+    `ERROR_FILE_CAP` bytes, parsed as JSON and nothing else.
+
     Args:
         path: the error file.
 
     Returns:
         The parsed JSON object, or None when the file is missing, empty, unreadable, not
-        JSON, or not a JSON object. Never raises.
+        a regular file, larger than the cap, not JSON, or not a JSON object. Never raises.
     """
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        contents = _load_error_file(os.fspath(path))
     except Exception:
         return None
-    return data if isinstance(data, dict) else None
+    return contents.data if contents.problem is None else None
+
+
+ERROR_FILE_CAP = 1 << 20
+"""The most bytes read from an error file (1 MiB); the rest is cut with a note."""
+
+_MAX_TIMESTAMP = 253_402_300_799
+"""9999-12-31T23:59:59Z, the last second `datetime` can show: later timestamps are invalid."""
+
+_MESSAGE_TEXT = re.compile(rb'"message"\s*:\s*("(?:[^"\\]|\\.)*")')
+"""The first complete ``"message": "<text>"`` pair: what is salvaged from a cut file."""
+
+
+class _Unreadable(Exception):
+    """Why an error file was not read (the text follows ``"error file unreadable: "``)."""
+
+
+@dataclass(frozen=True)
+class _ErrorFileContents:
+    """What reading an error file gave: the data, or why there is none."""
+
+    data: dict[str, Any] | None = None
+    """The parsed JSON object (None: no file, or `problem`)."""
+    problem: str | None = None
+    """``"error file unreadable: <why>"`` when the file exists but could not be used."""
+    salvaged: str | None = None
+    """The summary found in the first `ERROR_FILE_CAP` bytes of an oversized file."""
+
+
+def _load_error_file(path: str) -> _ErrorFileContents:
+    """Read the error file at ``path`` defensively; raises nothing but unexpected bugs.
+
+    A worker (or anything running as its user) controls this file, and the supervisor
+    reads it. A FIFO would block the read forever, a device such as ``/dev/zero`` would
+    never end, and a huge file would stall the event loop and bloat the supervisor: so
+    only a regular file is opened (``O_NONBLOCK`` so that even a FIFO swapped in between
+    the check and the open cannot block), and at most `ERROR_FILE_CAP` bytes are read.
+    """
+    try:
+        fd = _open_regular(path)
+    except _Unreadable as e:
+        return _ErrorFileContents(problem=f"error file unreadable: {e}")
+    if fd is None:
+        return _ErrorFileContents()
+    try:
+        size = os.fstat(fd).st_size
+        body = _read_capped(fd)
+    except OSError as e:
+        return _ErrorFileContents(problem=f"error file unreadable: {_os_error_text(e)}")
+    finally:
+        os.close(fd)
+    if len(body) > ERROR_FILE_CAP:
+        size = max(size, len(body))
+        over = f"it is {size} bytes, over the {ERROR_FILE_CAP}-byte (1 MiB) cap"
+        salvaged = _salvage_message(body[:ERROR_FILE_CAP])
+        if salvaged is None:
+            return _ErrorFileContents(
+                problem=f"error file unreadable: {over}, and its first 1 MiB holds no message"
+            )
+        note = f"[error file cut: {over}; only its first 1 MiB was read]"
+        return _ErrorFileContents(salvaged=f"{salvaged}\n{note}")
+    if not body.strip():
+        return _ErrorFileContents(problem="error file unreadable: it is empty")
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as e:
+        # ValueError covers bad JSON, bad UTF-8 and integers too long to convert.
+        return _ErrorFileContents(problem=f"error file unreadable: not valid JSON ({e})")
+    if not isinstance(data, dict):
+        kind = type(data).__name__
+        return _ErrorFileContents(
+            problem=f"error file unreadable: it holds a JSON {kind}, not an object"
+        )
+    return _ErrorFileContents(data=data)
+
+
+def _open_regular(path: str) -> int | None:
+    """Open ``path`` for reading if it is a regular file; None if it does not exist."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise _Unreadable(f"cannot look at it: {_os_error_text(e)}") from e
+    target = path
+    if stat.S_ISLNK(st.st_mode):
+        target = _resolve_inside(path)
+        try:
+            st = os.lstat(target)
+        except OSError as e:
+            raise _Unreadable(f"its symbolic link target: {_os_error_text(e)}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise _Unreadable(f"it is {_file_kind(st.st_mode)}, not a regular file")
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(target, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise _Unreadable(_os_error_text(e)) from e
+    # Checked again on the open file: the name may have been swapped since the lstat.
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _Unreadable(f"it is {_file_kind(mode)}, not a regular file")
+    return fd
+
+
+def _resolve_inside(path: str) -> str:
+    """The target of the symbolic link ``path``, if it stays inside the link's directory."""
+    directory = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    target = os.path.realpath(path)
+    if os.path.commonpath([directory, target]) != directory:
+        raise _Unreadable(
+            f"it is a symbolic link to {target!r}, outside its directory {directory!r}"
+        )
+    return target
+
+
+def _file_kind(mode: int) -> str:
+    kinds = [
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ]
+    return next((name for test, name in kinds if test(mode)), f"of file mode {mode:o}")
+
+
+def _read_capped(fd: int) -> bytes:
+    """At most ``ERROR_FILE_CAP + 1`` bytes of ``fd`` (one more tells that it was cut)."""
+    chunks: list[bytes] = []
+    left = ERROR_FILE_CAP + 1
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _salvage_message(prefix: bytes) -> str | None:
+    """The first ``"message"`` text found in the start of a cut error file."""
+    match = _MESSAGE_TEXT.search(prefix)
+    if match is None:
+        return None
+    try:
+        text = json.loads(match.group(1))
+    except ValueError:
+        return None
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def _os_error_text(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{type(error).__name__}: {error.strerror}"
+    return f"{type(error).__name__}: {_safe_str(error)}"
 
 
 def _write_json_atomic(path: str | os.PathLike[str], data: Mapping[str, Any]) -> None:
@@ -192,30 +356,111 @@ def _exit_description(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
-def _message_and_timestamp(data: Mapping[str, Any]) -> tuple[str | None, float | None]:
-    """The summary text and the sub-second timestamp of an error file, where present.
+def _message_and_times(
+    data: Mapping[str, Any],
+) -> tuple[str | None, float | None, float | None]:
+    """The summary text of an error file and its two timestamps (ns and s), where valid.
 
     torch's reader accepts two shapes: ``{"message": {"message": ..., "extraInfo": ...}}``
     (what ``record`` writes) and ``{"message": "<text>", "timestamp": ...}``.
     """
     raw = data.get("message")
     if isinstance(raw, str):
-        return raw, _parse_ns(data.get("timestamp_ns"))
+        return (
+            raw,
+            _parse_time(data.get("timestamp_ns"), 10**9),
+            _parse_time(data.get("timestamp"), 1),
+        )
     if isinstance(raw, Mapping):
         text = raw.get("message")
         extra = raw.get("extraInfo")
-        ns = _parse_ns(extra.get("timestamp_ns")) if isinstance(extra, Mapping) else None
-        return (text if isinstance(text, str) else None), ns
-    return None, None
+        if not isinstance(extra, Mapping):
+            extra = {}
+        return (
+            text if isinstance(text, str) else None,
+            _parse_time(extra.get("timestamp_ns"), 10**9),
+            _parse_time(extra.get("timestamp"), 1),
+        )
+    return None, None, None
 
 
-def _parse_ns(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+def _parse_time(value: object, per_second: int) -> float | None:
+    """A timestamp field (number or digits) in seconds; None unless `datetime` can show it.
+
+    The file is the worker's to write: ``"9" * 400`` must not raise OverflowError and
+    ``"9" * 25`` (year 300 million) must not break the report, so out-of-range, negative,
+    NaN and infinite values are treated as absent.
+    """
+    if isinstance(value, bool):
         return None
+    seconds: float
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        seconds = value / per_second
+    elif isinstance(value, (int, str)):
+        # Anything longer is out of range anyway; int() of thousands of digits is slow.
+        if isinstance(value, str) and len(value) > 32:
+            return None
+        try:
+            number = int(value)
+        except ValueError:
+            return None
+        if not 0 < number <= _MAX_TIMESTAMP * per_second:
+            return None
+        seconds = number / per_second
+    else:
+        return None
+    return seconds if 0 < seconds <= _MAX_TIMESTAMP else None
+
+
+def _tail_text(stderr_tail: Sequence[str]) -> str:
+    if isinstance(stderr_tail, str):
+        stderr_tail = stderr_tail.splitlines()
+    lines = [str(line).rstrip("\r\n") for line in stderr_tail][-STDERR_TAIL_LINES:]
+    tail = "\n".join(lines).strip("\n")
+    return tail if tail.strip() else ""
+
+
+def _describe(
+    *,
+    exitcode: int,
+    error_file: str,
+    fallback_time: float,
+    stderr_tail: Sequence[str],
+    file_seconds: bool,
+) -> tuple[str, str, float, dict[str, Any]]:
+    """``(error_file, message, timestamp, error_file_data)`` of a failed worker.
+
+    ``file_seconds``: use the file's whole-second ``timestamp`` when it has no
+    ``timestamp_ns`` (torch's constructor does); else ``fallback_time``, the supervisor's
+    sub-second view of the exit, wins over a time truncated to the second.
+    """
     try:
-        return int(value) / 1e9
-    except ValueError:
-        return None
+        contents = _load_error_file(error_file)
+    except Exception as e:  # a bug here must not cost the report of the worker's exit
+        contents = _ErrorFileContents(
+            problem=f"error file unreadable: {type(e).__name__}: {_safe_str(e)}"
+        )
+    tail = _tail_text(stderr_tail)
+    if contents.data is not None:
+        text, ns, seconds = _message_and_times(contents.data)
+        when = fallback_time
+        if ns is not None:
+            when = ns
+        elif file_seconds and seconds is not None:
+            when = seconds
+        if text is None or not text.strip():
+            text = 'error file unreadable: it has no "message" text'
+            if tail:
+                text = f"{text}\n{tail}"
+        return error_file, text, when, contents.data
+    if contents.salvaged is not None:
+        return error_file, contents.salvaged, fallback_time, {}
+    if contents.problem is not None:
+        message = f"{contents.problem}\n{tail}" if tail else contents.problem
+        return error_file, message, fallback_time, {}
+    return NOT_AVAILABLE, tail or _exit_description(exitcode), fallback_time, {}
 
 
 def _traceback_text(failure: ProcessFailure) -> str:
@@ -236,15 +481,23 @@ def _traceback_text(failure: ProcessFailure) -> str:
 class ProcessFailure:
     """How one worker failed.
 
+    Built with only its first four fields, as code written against torch does
+    (``ProcessFailure(local_rank, pid, exitcode, error_file)``), it reads the error file
+    like torch's dataclass: ``message``, ``timestamp`` and ``error_file_data`` come from
+    the file (read defensively, see `from_exit`), and ``error_file`` becomes ``"<N/A>"``
+    when there is none. Given any of those three fields it does no I/O.
+
     Attributes:
         local_rank: the worker's local rank.
         pid: the worker's process id.
         exitcode: its exit status; negative means killed by signal ``-exitcode``.
         error_file: the error file it wrote, or ``"<N/A>"`` (torch's placeholder) when
-            `from_exit` found none.
+            there was none.
         message: a one-line summary from the error file (``"<Type>: <msg>"``), else the last
             lines the worker wrote to stderr (up to 50, so a plain script's traceback shows),
             else how it exited (``"exited with code 3"``, ``"killed by SIGKILL (signal 9)"``).
+            An error file that exists but cannot be used gives
+            ``"error file unreadable: <why>"`` (followed by the stderr tail, if any).
         timestamp: when it failed, float seconds since the epoch (sub-second resolution).
         error_file_data: the parsed error file, ``{}`` when there is none.
     """
@@ -256,6 +509,21 @@ class ProcessFailure:
     message: str = ""
     timestamp: float = 0.0
     error_file_data: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.message or self.timestamp or self.error_file_data:
+            return  # built field by field: nothing to read
+        try:
+            described = _describe(
+                exitcode=self.exitcode,
+                error_file=self.error_file,
+                fallback_time=time.time(),
+                stderr_tail=(),
+                file_seconds=True,
+            )
+        except Exception as e:
+            described = (self.error_file, _unexpected(e), time.time(), {})
+        self.error_file, self.message, self.timestamp, self.error_file_data = described
 
     @classmethod
     def from_exit(
@@ -270,43 +538,46 @@ class ProcessFailure:
     ) -> ProcessFailure:
         """Describe a worker that has exited, reading its error file if it wrote one.
 
+        Never raises, whatever the file holds, and blocks only on a local regular file:
+        only a regular file is read (not a FIFO, a device, a socket, or a symbolic link
+        leading out of its directory), at most 1 MiB of it (a longer file is cut, its
+        first ``"message"`` kept with a note), and parsed as JSON only. Timestamps that
+        are negative, NaN, infinite or beyond year 9999 are ignored.
+
         Args:
             local_rank: the worker's local rank.
             pid: its process id.
             exitcode: its exit status (negative: killed by that signal).
             error_file: the path of its error file, which may not exist.
             exit_time: when the supervisor saw it exit (``time.time()``); the timestamp when
-                the error file carries no ``timestamp_ns`` (torch's files carry whole
+                the error file carries no valid ``timestamp_ns`` (torch's files carry whole
                 seconds only).
             stderr_tail: the last lines it wrote to stderr; only the last 50 are kept.
 
         Returns:
-            The failure, with ``message`` taken from the error file, else the stderr tail,
-            else a description of the exit status.
+            The failure, with ``message`` taken from the error file, else
+            ``"error file unreadable: <why>"`` when it exists but cannot be used, else the
+            stderr tail, else a description of the exit status.
         """
-        data = read_error_file(error_file)
-        if data:
-            text, ns = _message_and_timestamp(data)
-            return cls(
-                local_rank=local_rank,
-                pid=pid,
+        try:
+            described = _describe(
                 exitcode=exitcode,
                 error_file=error_file,
-                message=text or _exit_description(exitcode),
-                timestamp=exit_time if ns is None else ns,
-                error_file_data=data,
+                fallback_time=exit_time,
+                stderr_tail=stderr_tail,
+                file_seconds=False,
             )
-        if isinstance(stderr_tail, str):
-            stderr_tail = stderr_tail.splitlines()
-        lines = [line.rstrip("\r\n") for line in stderr_tail][-STDERR_TAIL_LINES:]
-        tail = "\n".join(lines).strip("\n")
+        except Exception as e:
+            described = (error_file, _unexpected(e), exit_time, {})
+        path, message, timestamp, data = described
         return cls(
             local_rank=local_rank,
             pid=pid,
             exitcode=exitcode,
-            error_file=NOT_AVAILABLE,
-            message=tail if tail.strip() else _exit_description(exitcode),
-            timestamp=exit_time,
+            error_file=path,
+            message=message,
+            timestamp=timestamp,
+            error_file_data=data,
         )
 
     def signal_name(self) -> str:
@@ -319,10 +590,20 @@ class ProcessFailure:
         return NOT_AVAILABLE
 
     def timestamp_isoformat(self) -> str:
-        """``timestamp`` as local time in ISO 8601 with microseconds and UTC offset."""
-        return (
-            datetime.fromtimestamp(self.timestamp).astimezone().isoformat(timespec="microseconds")
-        )
+        """``timestamp`` as local time in ISO 8601 with microseconds and UTC offset.
+
+        A timestamp no date can show (set by hand: NaN, negative, past year 9999) gives
+        ``"<invalid timestamp ...>"`` instead of raising, so a report always renders.
+        """
+        try:
+            when = datetime.fromtimestamp(self.timestamp).astimezone()
+            return when.isoformat(timespec="microseconds")
+        except (OverflowError, ValueError, OSError, TypeError):
+            return f"<invalid timestamp {self.timestamp!r}>"
+
+
+def _unexpected(error: BaseException) -> str:
+    return f"error file unreadable: {type(error).__name__}: {_safe_str(error)}"
 
 
 _WIDTH_LIMIT = 60
@@ -529,7 +810,10 @@ def _root_cause_data(root: ProcessFailure) -> dict[str, Any]:
         return data
     # No error file (a plain script, or a signal): torch records nothing here; we carry the
     # stderr tail or exit description so the outer report still shows the real cause.
-    ns = int(root.timestamp * 1e9)
+    when = root.timestamp
+    if not (isinstance(when, (int, float)) and math.isfinite(when) and 0 < when <= _MAX_TIMESTAMP):
+        when = time.time()  # set by hand to something no file should carry on
+    ns = int(when * 1e9)
     return {
         "message": {
             "message": root.message.strip().rsplit("\n", 1)[-1] or NOT_AVAILABLE,

@@ -15,27 +15,86 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 * client -> server ``R<pid>``: reap that worker now (no answer).
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
+* server -> client ``E<text>``: the setup or a fork failed (the server carries on after a
+  failed fork).
+
+A server that died (killed, crashed) is noticed by the next start — its pid is gone, or the
+socket reports a broken pipe, a reset or end-of-file — and replaced by a fresh one; the
+start is retried once on it.
 """
 
 from __future__ import annotations
 
 import atexit
+import errno
+import logging
 import multiprocessing.spawn
 import os
 import pickle
+import resource
 import selectors
 import signal
 import socket
 import subprocess
 import threading
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from . import _platform
+import anyio
+import anyio.to_thread
+
+from . import _platform, _subreaper
 from ._exit_watch import StatusPipeWatch, encode_status
-from ._launchers import Launched, preparation_data, start_python
+from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
+
+logger = logging.getLogger("aioelastic.forkserver")
 
 _MAX_MSG = 1 << 16
+
+_PYTHON_IGNORES = (signal.SIGPIPE, signal.SIGXFSZ)
+"""Signals a fresh interpreter ignores (CPython's startup); all others start at default."""
+
+
+class ForkServerError(RuntimeError):
+    """A fork server could not start a worker: it failed to start, died, or could not fork."""
+
+
+class _ServerGone(Exception):
+    """The server's socket or process is gone (the text says how it was noticed)."""
+
+
+def _reset_signal_state() -> None:
+    """Default dispositions and an empty mask, whatever the supervisor had.
+
+    A supervisor started with SIGCHLD ignored (a shell or a service can do that) passes
+    it on through exec; with SIGCHLD ignored the kernel reaps our workers itself, and
+    waitid fails with ECHILD instead of reporting their exit status. Workers inherit
+    this state through fork, so they start as a fresh interpreter would.
+    """
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            signal.signal(sig, signal.SIG_IGN if sig in _PYTHON_IGNORES else signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass  # real-time signals the C library reserves
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def _fork_error_text(error: OSError) -> str:
+    """What a failed fork inside the server means, and what to do about it."""
+    text = f"the fork server could not fork a worker: {error}"
+    if error.errno == errno.EAGAIN:
+        soft, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+        return (
+            f"{text}; the limit on processes was reached: the per-user limit "
+            f"(`ulimit -u`, RLIMIT_NPROC, {limit} here) or the cgroup's pids.max; "
+            "raise it or start fewer workers"
+        )
+    if error.errno == errno.ENOMEM:
+        return f"{text}; out of memory: free memory or start fewer workers"
+    return text
 
 
 def _reply_error(sock: socket.socket, text: str) -> None:
@@ -45,8 +104,9 @@ def _reply_error(sock: socket.socket, text: str) -> None:
 def main(control_fd: int, parent_pid: int) -> None:
     """Entry point of the fork-server process."""
     _platform.die_with_parent(parent_pid)
+    _reset_signal_state()
     # Ctrl-C at a terminal reaches the supervisor's process group; we are in our own and
-    # must leave the decision to the supervisor.
+    # must leave the decision to the supervisor. (Workers reset SIGINT for themselves.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control_fd)
     setup_msg, _, _, _ = sock.recvmsg(_MAX_MSG)
@@ -95,6 +155,16 @@ class _Server:
         if not msg:
             return False
         if msg[:1] == b"S":
+            if len(fds) < 5:
+                # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
+                for received in fds:
+                    os.close(received)
+                _reply_error(
+                    self._sock,
+                    f"the fork server received {len(fds)} of the 5 pipes of a worker: its "
+                    "open-file limit (`ulimit -n`, RLIMIT_NOFILE) may be reached",
+                )
+                return True
             self._fork_worker(fds)
         elif msg[:1] == b"R":
             self._reap(int(msg[1:]))
@@ -110,7 +180,14 @@ class _Server:
                 private.append(child.pidfd)
         private.append(status_w)
         server_pid = os.getpid()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as e:
+            # EAGAIN (RLIMIT_NPROC, pids.max) or ENOMEM: this start fails, the server lives.
+            for received in fds:
+                os.close(received)
+            _reply_error(self._sock, _fork_error_text(e))
+            return
         if pid == 0:
             try:
                 from ._bootstrap import forked_worker
@@ -133,13 +210,33 @@ class _Server:
         for fd in (payload_r, stderr_w, result_w, stdout_w):
             if fd is not None:
                 os.close(fd)
-        pidfd = _platform.pidfd_open(pid)
+        try:
+            self._watch(pid, status_w)
+        except Exception as e:
+            # Nobody could report this worker's exit: it must not run at all.
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            watched = self._children.pop(pid) if pid in self._children else None
+            if watched is not None and watched.pidfd is not None:
+                os.close(watched.pidfd)
+            os.close(status_w)
+            _reply_error(
+                self._sock,
+                f"the fork server could not watch the worker it forked: {type(e).__name__}: {e}",
+            )
+            return
+        self._sock.sendmsg([b"P%d" % pid])
+
+    def _watch(self, pid: int, status_w: int) -> None:
+        try:
+            pidfd = _platform.pidfd_open(pid)
+        except OSError:
+            pidfd = None  # EMFILE, ENFILE: a thread watches without an fd
         self._children[pid] = _Child(status_w, pidfd)
         if pidfd is not None:
             self._selector.register(pidfd, selectors.EVENT_READ, pid)
         else:
             threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
-        self._sock.sendmsg([b"P%d" % pid])
 
     def _wait_in_thread(self, pid: int) -> None:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
@@ -187,66 +284,162 @@ class _Server:
             os.close(child.pidfd)
 
 
+@dataclass
+class _Starting:
+    """One start of a server, as seen by the tasks waiting for it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None
+    """Why it failed (the preload did not import); None if it worked or was cancelled."""
+
+
 class ForkServer:
-    """The supervisor's handle on one fork server (started on first use)."""
+    """The supervisor's handle on one fork server (started on first use, replaced if dead)."""
 
     def __init__(self, preload: tuple[str, ...]) -> None:
         self.preload = preload
         self._sock: socket.socket | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
         self._pid: int | None = None
+        # Guards the fields; held briefly, also from the event loop.
         self._lock = threading.Lock()
+        # One request/answer exchange at a time on the socket (launcher threads only).
+        self._talk = threading.Lock()
+        # While one task starts the server, the others wait for it here.
+        self._starting: _Starting | None = None
 
     @property
     def pid(self) -> int | None:
         """The server's pid, once started."""
         return self._pid
 
-    def _ensure_started(self) -> socket.socket:
-        if self._sock is not None:
-            return self._sock
+    async def start_worker(self, stdout_fd: int | None, stderr_fd: int, result_fd: int) -> Launched:
+        """Have the server fork a worker wired to these fds, starting the server if needed.
+
+        A server found dead (killed, crashed: its pid gone, or a broken pipe, a reset or
+        end-of-file on its socket) is replaced, and the start retried once on the fresh
+        one. Cancelling while the server starts (its preload import can take seconds)
+        returns at once and kills the half-started server.
+
+        Raises:
+            ForkServerError: the server could not import its preload, could not fork the
+                worker (the text names the limit), or died twice in a row.
+        """
+        for attempt in (1, 2):
+            sock = await self._running()
+            try:
+                return await on_launcher_thread(
+                    self._request_worker, sock, stdout_fd, stderr_fd, result_fd
+                )
+            except _ServerGone as gone:
+                pid = self._discard(sock)
+                if attempt == 2:
+                    raise ForkServerError(
+                        f"the fork server (pid {pid}) for forkserver_preload="
+                        f"{list(self.preload)} died while starting a worker ({gone}), "
+                        "right after replacing one that had died; see its stderr"
+                    ) from gone
+                logger.warning(
+                    "the fork server (pid %s) is gone (%s); starting a fresh one", pid, gone
+                )
+        raise AssertionError("unreachable")
+
+    async def _running(self) -> socket.socket:
+        """The socket of a live server; starts one (only one task does) if there is none."""
+        while True:
+            with self._lock:
+                if self._sock is not None and self._popen is not None:
+                    if self._popen.poll() is None:
+                        return self._sock
+                    self._discard_locked()
+                starting = self._starting
+                owner = starting is None
+                if starting is None:
+                    starting = self._starting = _Starting()
+            if not owner:
+                # Another task (maybe on another event loop) is starting it.
+                await anyio.to_thread.run_sync(starting.done.wait, abandon_on_cancel=True)
+                if starting.error is not None:
+                    # Its preload failed: a second import would fail the same way.
+                    raise ForkServerError(starting.error)
+                continue
+            try:
+                sock, popen = await self._start_server()
+                with self._lock:
+                    self._sock, self._popen, self._pid = sock, popen, popen.pid
+                return sock
+            except ForkServerError as e:
+                starting.error = str(e)
+                raise
+            finally:
+                with self._lock:
+                    self._starting = None
+                starting.done.set()
+
+    async def _start_server(self) -> tuple[socket.socket, subprocess.Popen[bytes]]:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            popen = start_python(
+            # On a launcher thread: the server's parent-death signal is bound to the
+            # thread that creates it, and launcher threads live as long as we do.
+            popen = await on_launcher_thread(
+                start_python,
                 f"from aioelastic._forkserver import main; main({theirs.fileno()}, {os.getpid()})",
                 dict(os.environ),
-                stdout_fd=None,
-                stderr_fd=None,
-                pass_fds=(theirs.fileno(),),
+                None,
+                None,
+                (theirs.fileno(),),
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
-        prep = preparation_data("aioelastic-forkserver")
-        ours.sendmsg([pickle.dumps((prep, self.preload))])
-        answer = ours.recv(_MAX_MSG)
+        try:
+            prep = preparation_data("aioelastic-forkserver")
+            ours.sendmsg([pickle.dumps((prep, self.preload))])
+            # Not on a thread: the preload import may take many seconds, and a cancelled
+            # start must return at once (then the half-started server is killed).
+            await anyio.wait_readable(ours)
+            answer = ours.recv(_MAX_MSG)
+        except (BrokenPipeError, ConnectionResetError):
+            answer = b""  # it died before reading its setup: reported below
+        except BaseException:
+            ours.close()
+            _kill_and_reap(popen)
+            raise
         if answer != b"K":
             ours.close()
-            popen.wait()
+            _kill_and_reap(popen)
             detail = answer[1:].decode(errors="replace") if answer else "it exited at start"
-            raise RuntimeError(
+            raise ForkServerError(
                 f"the fork server could not import forkserver_preload={list(self.preload)}: "
                 f"{detail.strip()}"
             )
-        # The server is reaped by the kernel's re-parenting only after we exit; keep the
-        # Popen (and so its pid) for the process lifetime.
-        _keep_alive.append(popen)
-        self._sock, self._pid = ours, popen.pid
-        return ours
+        return ours, popen
 
-    def start_worker(self, stdout_fd: int | None, stderr_fd: int, result_fd: int) -> Launched:
-        """Blocking: have the server fork a worker wired to these fds."""
+    def _request_worker(
+        self, sock: socket.socket, stdout_fd: int | None, stderr_fd: int, result_fd: int
+    ) -> Launched:
+        """Blocking (a launcher thread): one start request and its answer."""
         payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        fds = [payload_r, stderr_fd, result_fd, status_w]
-        if stdout_fd is None:
-            # Inherit *our* current stdout, not the one the server had when it started.
-            fds.append(1)
-        else:
-            fds.append(stdout_fd)
+        # With no stdout_fd: *our* current stdout, not the one the server started with.
+        fds = [payload_r, stderr_fd, result_fd, status_w, 1 if stdout_fd is None else stdout_fd]
         try:
-            with self._lock:
-                sock = self._ensure_started()
-                socket.send_fds(sock, [b"S"], fds)
-                answer = sock.recv(_MAX_MSG)
+            with self._talk:
+                if sock is not self._sock:
+                    raise _ServerGone("it was replaced")
+                try:
+                    socket.send_fds(sock, [b"S"], fds)
+                    answer = sock.recv(_MAX_MSG)
+                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
+                    raise _ServerGone(f"{type(e).__name__} on its socket") from e
+                except OSError as e:
+                    if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN):
+                        raise _ServerGone(f"{type(e).__name__} on its socket") from e
+                    raise
+                if not answer:
+                    raise _ServerGone("end-of-file on its socket")
         except BaseException:
             os.close(payload_w)
             os.close(status_r)
@@ -257,9 +450,25 @@ class ForkServer:
         if not answer.startswith(b"P"):
             os.close(payload_w)
             os.close(status_r)
-            raise RuntimeError("the fork server died while starting a worker")
+            raise ForkServerError(answer[1:].decode(errors="replace"))
         pid = int(answer[1:])
         return Launched(pid, StatusPipeWatch(pid, status_r, self._release), payload_fd=payload_w)
+
+    def _discard(self, sock: socket.socket) -> int | None:
+        """Forget the dead server behind ``sock`` (kill and reap it); returns its pid."""
+        with self._lock:
+            pid = self._pid
+            if sock is self._sock:
+                self._discard_locked()
+            return pid
+
+    def _discard_locked(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._popen is not None:
+            _kill_and_reap(self._popen)
+            self._popen = None
 
     def _release(self, pid: int) -> None:
         sock = self._sock
@@ -271,11 +480,40 @@ class ForkServer:
             pass  # the server is gone, and its children with it
 
     def close(self) -> None:
-        """Stop the server: it sees end-of-file and exits."""
+        """Stop the server: it sees end-of-file and exits (reaped at interpreter exit)."""
+        popen = self._detach()
+        if popen is not None:
+            _keep_alive.append(popen)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the server and reap it, killed if it has not exited within ``timeout``."""
+        popen = self._detach()
+        if popen is None:
+            return
+        try:
+            popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_and_reap(popen)
+
+    def _detach(self) -> subprocess.Popen[bytes] | None:
         with self._lock:
+            popen, self._popen = self._popen, None
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+        return popen
+
+
+def _kill_and_reap(popen: subprocess.Popen[bytes]) -> None:
+    """Kill a server (with anything its preload started in its group) and reap it."""
+    if popen.poll() is None:
+        try:
+            os.killpg(popen.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            popen.kill()
+        popen.wait()
+    _subreaper.own_children.discard(popen.pid)
 
 
 _servers: dict[tuple[str, ...], ForkServer] = {}
@@ -294,7 +532,7 @@ def fork_server(preload: tuple[str, ...]) -> ForkServer:
 
 def running_server_pids() -> list[int]:
     """Pids of the fork servers this process keeps warm."""
-    return [s.pid for s in _servers.values() if s.pid is not None and s._sock is not None]
+    return [s._pid for s in _servers.values() if s._pid is not None and s._sock is not None]
 
 
 def open_server_fds() -> list[int]:

@@ -307,8 +307,7 @@ class PContext:
             return await _launchers.on_launcher_thread(
                 _launchers.start_spawn, env, out_w, err_w, res_w
             )
-        server = fork_server(spec.forkserver_preload)
-        return await _launchers.on_launcher_thread(server.start_worker, out_w, err_w, res_w)
+        return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w)
 
     def _pump(self, rank: int, stream: Std, log_path: Path) -> dict[str, Any]:
         spec = self._spec
@@ -443,7 +442,7 @@ class PContext:
         if worker.result is None:
             return None
         if not worker.result.complete:
-            return "exited with code 0 but sent no return value (did it call os._exit(0)?)"
+            return worker.result.incomplete_reason()
         try:
             worker.return_value = pickle.loads(worker.result.payload())
         except BaseException as exc:

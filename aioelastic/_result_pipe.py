@@ -42,6 +42,16 @@ class ResultReceiver:
         """Whether the whole message has arrived."""
         return self._expected is not None and len(self._buffer) >= self._expected
 
+    def incomplete_reason(self) -> str:
+        """Why the message is not complete, for a worker that exited 0 without one."""
+        if self._expected is None:
+            return "exited with code 0 but sent no return value (did it call os._exit(0)?)"
+        return (
+            f"exited with code 0 but sent only {len(self._buffer)} of the {self._expected} "
+            "bytes of its pickled return value (did something end it, or close its result "
+            "pipe, while it was sending?)"
+        )
+
     def payload(self) -> bytes:
         """The pickled value; only valid once :attr:`complete`."""
         assert self._expected is not None

@@ -860,3 +860,34 @@ async def _wait_gone(pid: int, timeout: float = 30) -> None:
             await anyio.wait_readable(fd)
     finally:
         os.close(fd)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_a_fork_server_killed_during_an_attempt_is_replaced_for_the_restart(
+    tmp_path: Path,
+) -> None:
+    # Attempt 0: local rank 1 SIGKILLs the fork server, which takes both workers with it.
+    # The restart must find the server gone and start a fresh one, not fail on the dead one.
+    from tests.children import forkserver as fs_children
+
+    preload = ("tests.children.forkserver",)
+    spec = WorkerSpec(
+        local_world_size=2, entrypoint=fs_children.kill_server_then_block, max_restarts=1
+    )
+    agent = LocalElasticAgent(
+        spec, start_method="forkserver", log_dir=tmp_path / "logs", forkserver_preload=preload
+    )
+    try:
+        result, events = await run_collecting(agent)
+        assert result.state is WorkerState.SUCCEEDED
+        assert result.return_values == {0: 0, 1: 1}
+        failed = [e for e in events if isinstance(e, WorkerFailed)]
+        assert failed
+        assert {(e.attempt, e.exitcode) for e in failed} == {(0, -signal.SIGKILL)}
+        assert events[-1].restart_count == 1
+        fresh = _forkserver.fork_server(preload).pid
+        assert fresh is not None
+        assert fresh in _forkserver.running_server_pids()
+    finally:
+        _forkserver.fork_server(preload).stop()

@@ -28,6 +28,7 @@ from aioelastic._errors import (
     write_error_file,
 )
 from aioelastic._results import RunProcsResult
+from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
 
 CHILD = [sys.executable, "-m", "tests.children.errors"]
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -156,7 +157,7 @@ def test_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
     # A large message makes a non-atomic writer's truncate-then-write window wide; a
     # concurrent reader must only ever see a missing file or a whole one.
     path = tmp_path / "error.json"
-    big = "x" * 1_000_000
+    big = "x" * 400_000  # twice in the file (message and traceback): under the 1 MiB cap
     stop = threading.Event()
     seen: list[str] = []
 
@@ -232,7 +233,9 @@ def test_from_exit_with_string_shaped_error_file(tmp_path: Path) -> None:
     assert "custom failure text" in ChildFailedError("t", {1: failure}).format_msg()
 
 
-def test_from_exit_with_unparseable_error_file_falls_back_to_stderr(tmp_path: Path) -> None:
+def test_from_exit_with_unparseable_error_file_names_the_fault_and_keeps_stderr(
+    tmp_path: Path,
+) -> None:
     path = tmp_path / "error.json"
     path.write_text('{"message": {"mess')
     failure = ProcessFailure.from_exit(
@@ -243,9 +246,15 @@ def test_from_exit_with_unparseable_error_file_falls_back_to_stderr(tmp_path: Pa
         exit_time=5.5,
         stderr_tail=["Traceback (most recent call last):", "OSError: disk full"],
     )
-    assert failure.message == "Traceback (most recent call last):\nOSError: disk full"
-    assert failure.error_file == "<N/A>"
+    assert failure.message == (
+        "error file unreadable: not valid JSON (Unterminated string starting at: "
+        "line 1 column 14 (char 13))\n"
+        "Traceback (most recent call last):\nOSError: disk full"
+    )
+    assert failure.exitcode == 1
+    assert failure.error_file == str(path)
     assert failure.error_file_data == {}
+    assert failure.timestamp == 5.5
 
 
 def test_from_exit_plain_script_shows_its_traceback(tmp_path: Path) -> None:
@@ -362,11 +371,42 @@ def test_timestamps_have_sub_second_resolution(tmp_path: Path) -> None:
     assert parsed.timestamp() == pytest.approx(1_700_000_000.123456, abs=1e-6)
 
 
-def test_constructor_does_no_io(tmp_path: Path) -> None:
+def test_constructor_with_only_torch_fields_reads_the_error_file(tmp_path: Path) -> None:
     path = tmp_path / "error.json"
+    before = time.time()
     write_error_file(path, _caught(ValueError("x")))
     failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
-    assert failure.message == ""
+    assert failure.message == "ValueError: x"
+    assert before - 1 < failure.timestamp <= time.time()
+    assert failure.error_file == str(path)
+    assert failure.error_file_data == json.loads(path.read_text())
+
+
+def test_constructor_reads_torch_string_shape_with_whole_second_timestamp(
+    tmp_path: Path,
+) -> None:
+    # As torch's __post_init__: the whole-second "timestamp" is the failure's time.
+    path = tmp_path / "error.json"
+    path.write_text(json.dumps({"message": "custom failure text", "timestamp": "1700000000"}))
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(path))
+    assert failure.message == "custom failure text"
+    assert failure.timestamp == 1700000000
+
+
+def test_constructor_without_error_file_describes_the_exit(tmp_path: Path) -> None:
+    before = time.time()
+    failure = ProcessFailure(0, 7, -9, str(tmp_path / "missing.json"))
+    assert failure.error_file == "<N/A>"
+    assert failure.message == "killed by SIGKILL (signal 9)"
+    assert failure.error_file_data == {}
+    assert before <= failure.timestamp <= time.time()
+
+
+def test_constructor_given_any_derived_field_does_no_io(tmp_path: Path) -> None:
+    path = tmp_path / "error.json"
+    write_error_file(path, _caught(ValueError("x")))
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path), message="m")
+    assert failure.message == "m"
     assert failure.timestamp == 0.0
     assert failure.error_file_data == {}
 
@@ -675,3 +715,263 @@ def test_our_error_file_is_read_by_torch(tmp_path: Path) -> None:
     assert parent["message"]["message"] == "ValueError: boom from ours"
     assert parent["message"]["errorCode"] == 1
     assert parent["message"]["extraInfo"] == ours["message"]["extraInfo"]
+
+
+# --- hostile error files ---------------------------------------------------------------------
+# A worker (or anything running as its user) controls its error file; the supervisor reads
+# it. Each kind of bad file must give a clear message, in bounded time and memory, through
+# ProcessFailure directly, through a real failing worker, and through aioelastic-run.
+
+BAD_FILE_MESSAGES = {
+    "fifo": "error file unreadable: it is a FIFO (named pipe), not a regular file",
+    "dev-zero": "error file unreadable: it is a symbolic link to '/dev/zero', outside its "
+    "directory '{dir}'",
+    "huge": "error file unreadable: it is 314572800 bytes, over the 1048576-byte (1 MiB) cap, "
+    "and its first 1 MiB holds no message",
+    "bad-json": "error file unreadable: not valid JSON (Unterminated string starting at: "
+    "line 1 column 25 (char 24))",
+    "bad-timestamp": "ValueError: from the future",
+}
+
+
+def _expected_message(kind: str, path: Path) -> str:
+    return BAD_FILE_MESSAGES[kind].format(dir=os.path.realpath(path.parent))
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_bad_error_file_read_directly_is_named_and_bounded(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "0" / "error.json"
+    make_bad_error_file(str(path), kind)
+    start = time.monotonic()
+    failure = ProcessFailure.from_exit(
+        local_rank=0,
+        pid=10,
+        exitcode=3,
+        error_file=str(path),
+        exit_time=1_700_000_000.5,
+        stderr_tail=["last words"],
+    )
+    direct = ProcessFailure(local_rank=1, pid=11, exitcode=3, error_file=str(path))
+    report = ChildFailedError("trainer", {0: failure, 1: direct}).format_msg()
+    assert time.monotonic() - start < 2
+    expected = _expected_message(kind, path)
+    if kind == "bad-timestamp":
+        assert failure.message == direct.message == expected
+        # Both timestamps are invalid: the supervisor's exit time, and "now" for torch's
+        # constructor, stand in for them.
+        assert failure.timestamp == 1_700_000_000.5
+        assert abs(direct.timestamp - time.time()) < 60
+    else:
+        assert failure.message == f"{expected}\nlast words"
+        assert direct.message == expected
+        assert failure.error_file_data == direct.error_file_data == {}
+    assert failure.exitcode == direct.exitcode == 3
+    assert failure.error_file == direct.error_file == str(path)
+    assert expected in report
+
+
+@pytest.mark.timeout(60)
+def test_huge_sparse_error_file_costs_little_time_and_memory(tmp_path: Path) -> None:
+    # Measured in a fresh interpreter: this process's peak RSS reflects earlier tests.
+    path = tmp_path / "error.json"
+    make_bad_error_file(str(path), "huge")
+    proc = subprocess.run(
+        [*CHILD, "measure-read", str(path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=True,
+    )
+    summary = json.loads(proc.stdout)
+    assert summary["message"] == summary["direct"] == _expected_message("huge", path)
+    assert summary["seconds"] < 1.0  # reading all 300 MB took ~0.7 s; the cap makes it ~5 ms
+    assert summary["rss_growth_kib"] < 16 * 1024  # loading it grew the process by ~600 MB
+
+
+def test_huge_error_file_keeps_the_message_found_in_its_first_mib(tmp_path: Path) -> None:
+    path = tmp_path / "error.json"
+    body = json.dumps(
+        {"message": {"message": "MemoryError: big", "extraInfo": {"py_callstack": "x" * 2**21}}}
+    )
+    path.write_text(body)
+    failure = ProcessFailure.from_exit(
+        local_rank=0, pid=1, exitcode=1, error_file=str(path), exit_time=5.0
+    )
+    assert failure.message == (
+        f"MemoryError: big\n[error file cut: it is {len(body)} bytes, over the 1048576-byte "
+        "(1 MiB) cap; only its first 1 MiB was read]"
+    )
+    assert failure.error_file == str(path)
+
+
+def test_symlink_inside_its_directory_is_followed(tmp_path: Path) -> None:
+    real = tmp_path / "real.json"
+    write_error_file(real, _caught(ValueError("via link")))
+    link = tmp_path / "error.json"
+    link.symlink_to("real.json")
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(link))
+    assert failure.message == "ValueError: via link"
+
+
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        (b"", "it is empty"),
+        (b"[1, 2]", "it holds a JSON list, not an object"),
+        (b"null", "it holds a JSON NoneType, not an object"),
+        (b"\xff\xfe{}", "not valid JSON ("),
+        (b"[" * 100_000, "not valid JSON ("),
+        (b'{"message": ' + b"9" * 5000 + b"}", "not valid JSON ("),
+        (b'{"message": 3}', 'it has no "message" text'),
+        (b'{"message": {"message": ["x"]}}', 'it has no "message" text'),
+        (b'{"other": 1}', 'it has no "message" text'),
+    ],
+)
+def test_malformed_error_file_is_salvaged_with_its_exit_code(
+    tmp_path: Path, content: bytes, why: str
+) -> None:
+    path = tmp_path / "error.json"
+    path.write_bytes(content)
+    failure = ProcessFailure.from_exit(
+        local_rank=0, pid=1, exitcode=7, error_file=str(path), exit_time=5.0
+    )
+    assert failure.message.startswith(f"error file unreadable: {why}")
+    assert failure.exitcode == 7
+    assert failure.error_file == str(path)
+    ChildFailedError("t", {0: failure}).format_msg()
+
+
+@pytest.mark.parametrize(
+    "timestamp_ns",
+    [
+        '"' + "9" * 400 + '"',
+        '"' + "9" * 25 + '"',
+        '"-5"',
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        "1e400",
+        '"12abc"',
+        "true",
+        "[1]",
+    ],
+)
+def test_bad_timestamps_fall_back_to_the_exit_time(tmp_path: Path, timestamp_ns: str) -> None:
+    path = tmp_path / "error.json"
+    extra = f'{{"timestamp_ns": {timestamp_ns}, "timestamp": {timestamp_ns}}}'
+    path.write_text(f'{{"message": {{"message": "E: x", "extraInfo": {extra}}}}}')
+    failure = ProcessFailure.from_exit(
+        local_rank=0, pid=1, exitcode=1, error_file=str(path), exit_time=1_700_000_000.25
+    )
+    assert failure.message == "E: x"
+    assert failure.timestamp == 1_700_000_000.25
+    direct = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert abs(direct.timestamp - time.time()) < 60
+    assert "E: x" in ChildFailedError("t", {0: failure, 1: direct}).format_msg()
+
+
+@pytest.mark.parametrize("timestamp", [float("9" * 25), float("nan"), float("inf"), -1e300])
+def test_a_report_renders_whatever_timestamp_was_set_by_hand(timestamp: float) -> None:
+    failure = _failure(0, timestamp)
+    assert failure.timestamp_isoformat() == f"<invalid timestamp {timestamp!r}>"
+    assert f"<invalid timestamp {timestamp!r}>" in ChildFailedError("t", {0: failure}).format_msg()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("kind", BAD_FILES)
+async def test_worker_that_sabotages_its_error_file_is_reported(tmp_path: Path, kind: str) -> None:
+    import aioelastic
+
+    start = time.monotonic()
+    result = await aioelastic.run_processes(
+        "saboteur", sabotage, {0: (kind, "3")}, {0: {}}, log_dir=str(tmp_path / "logs")
+    )
+    assert time.monotonic() - start < 60
+    failure = result.failures[0]
+    assert failure.exitcode == 3
+    expected = _expected_message(kind, Path(failure.error_file))
+    assert failure.message.startswith(expected)
+    assert failure.error_file.endswith("/0/error.json")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", BAD_FILES)
+def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
+    tmp_path: Path, kind: str
+) -> None:
+    env = dict(os.environ)
+    env.pop("TORCHELASTIC_ERROR_FILE", None)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "aioelastic.run",
+            "--nproc-per-node",
+            "1",
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "-m",
+            "tests.children.errors",
+            "sabotage",
+            kind,
+            "3",
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert time.monotonic() - start < 90
+    assert proc.returncode == 3, proc.stderr
+    error_files = list((tmp_path / "logs").rglob("error.json"))
+    assert len(error_files) == 1
+    assert _expected_message(kind, error_files[0]) in proc.stderr
+    assert "Traceback" not in proc.stderr.split("FAILED")[0]
+
+
+# --- return values -------------------------------------------------------------------------
+
+
+def test_a_truncated_return_value_says_how_much_arrived() -> None:
+    from aioelastic._result_pipe import ResultReceiver
+
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    receiver = ResultReceiver(read_end)
+    try:
+        assert receiver.incomplete_reason() == (
+            "exited with code 0 but sent no return value (did it call os._exit(0)?)"
+        )
+        os.write(write_end, (100).to_bytes(8, sys.byteorder) + b"x" * 10)
+        os.close(write_end)
+        assert receiver.drain()  # end-of-file
+        assert not receiver.complete
+        assert receiver.incomplete_reason() == (
+            "exited with code 0 but sent only 10 of the 100 bytes of its pickled return value "
+            "(did something end it, or close its result pipe, while it was sending?)"
+        )
+    finally:
+        receiver.close()
+
+
+def test_record_of_nested_failure_with_an_invalid_timestamp_still_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    nested = ChildFailedError("inner", {0: _failure(0, float("nan"), message="boom")})
+
+    @record
+    def main() -> None:
+        raise nested
+
+    before = time.time()
+    with pytest.raises(ChildFailedError):
+        main()
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(path))
+    assert failure.message == "boom"
+    assert before - 1 <= failure.timestamp <= time.time()
