@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from . import _values as values
 from ._agent import DEFAULT_SIGNALS_TO_HANDLE, LocalElasticAgent, RestartBackoff, WorkerSpec
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
-from ._rendezvous import Rendezvous, create_rdzv_handler, parse_endpoint
+from ._rendezvous import Rendezvous, create_rdzv_handler
 from ._signals import SignalReceived
 from ._std import Std
 
@@ -123,14 +124,15 @@ class LaunchConfig:
     no_retry_exit_codes: Collection[int] = frozenset()
 
     def __post_init__(self) -> None:
+        # Each value through the parser the command line uses, so that a bad value reads
+        # the same from aioelastic-run and from here.
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(
-                f"min_nodes ({self.min_nodes}) must be <= max_nodes ({self.max_nodes})"
-            )
+            values.field(name, values.positive_int, getattr(self, name))
+        values.field(
+            "min_nodes, max_nodes",
+            lambda pair: values.node_range(*pair),
+            (self.min_nodes, self.max_nodes),
+        )
         unsupported = {
             "logs_specs": (self.logs_specs is not None, "use log_dir, redirects, tee"),
             "metrics_cfg": (bool(self.metrics_cfg), "aioelastic records no torch metrics"),
@@ -149,15 +151,32 @@ class LaunchConfig:
                     f"aioelastic{'; ' + hint if hint else ''}"
                 )
         # Copied, not updated in place: the caller's dict may be shared between configs.
-        self.rdzv_configs = dict(self.rdzv_configs)
+        self.rdzv_configs = values.field("rdzv_configs", values.rdzv_conf, self.rdzv_configs)
         if self.rdzv_timeout != -1:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
             self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
-        if self.shutdown_timeout is None:
-            self.shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-        elif self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        self.shutdown_timeout = values.field(
+            "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
+        )
+        values.field("role", values.name, self.role)
+        values.field("max_restarts", values.non_negative_int, self.max_restarts)
+        values.field("monitor_interval", values.positive_duration, self.monitor_interval)
+        values.field("start_method", values.start_method, self.start_method)
+        values.field("signals_to_handle", values.signals, self.signals_to_handle)
+        values.field("rdzv_endpoint", values.endpoint, self.rdzv_endpoint)
+        values.field(
+            "log_line_prefix_template", values.prefix_template, self.log_line_prefix_template
+        )
+        values.field("exit_barrier_timeout", values.duration, self.exit_barrier_timeout)
+        self.no_retry_exit_codes = values.field(
+            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
+        )
+        self.local_ranks_filter = values.field(
+            "local_ranks_filter",
+            lambda v: values.rank_filter(v, self.nproc_per_node),
+            self.local_ranks_filter,
+        )
         if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
             raise ValueError(
                 f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
@@ -239,9 +258,11 @@ async def launch_agent(
     else:
         run_id = config.run_id or str(uuid.uuid4().int)
         if config.rdzv_backend == "static":
-            master_addr, master_port = parse_endpoint(endpoint, -1)
-            if master_port == -1:
+            master_addr, master_port = values.endpoint(endpoint)
+            if master_port is None:
                 raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
+            # Port 0 is any free port: only a single node can host its store there.
+            master_port = master_port or None
     if endpoint and not (config.rdzv_backend == "static" and config.max_nodes == 1):
         # A single static node meets nobody: the agent's torch-free LocalRendezvous.
         handler = await create_rdzv_handler(

@@ -499,7 +499,7 @@ async def test_misuse_is_refused_before_anything_starts(tmp_path: Path) -> None:
         spec(monitor_interval=0)
     with pytest.raises(TypeError, match="no_retry_exit_codes"):
         spec(no_retry_exit_codes=2)
-    with pytest.raises(ValueError, match="exit code 0"):
+    with pytest.raises(ValueError, match="0 is success"):
         spec(no_retry_exit_codes={0})
     with pytest.raises(TypeError, match="restart_backoff"):
         spec(restart_backoff=1.0)
