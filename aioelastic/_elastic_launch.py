@@ -13,6 +13,7 @@ and turn a failed run into `ChildFailedError`.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import uuid
@@ -23,7 +24,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from . import _values as values
-from ._agent import DEFAULT_SIGNALS_TO_HANDLE, LocalElasticAgent, RestartBackoff, WorkerSpec
+from ._agent import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    LocalElasticAgent,
+    RestartBackoff,
+    RunResult,
+    WorkerSpec,
+)
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
 from ._rendezvous import Rendezvous, create_rdzv_handler
@@ -276,48 +283,69 @@ async def launch_agent(
         )
     shutdown_rdzv = handler is not None
     try:
-        spec = WorkerSpec(
-            role=config.role,
-            local_world_size=config.nproc_per_node,
-            entrypoint=entrypoint,
-            args=tuple(args),
-            rdzv_handler=handler,
-            max_restarts=config.max_restarts,
-            monitor_interval=config.monitor_interval,
-            master_addr=master_addr,
-            master_port=master_port,
-            local_addr=config.local_addr,
-            virtual_local_rank=config.virtual_local_rank,
-            restart_backoff=config.restart_backoff,
-            no_retry_exit_codes=config.no_retry_exit_codes,
+        result = await _run_agent(
+            config, entrypoint, args, handler, run_id, master_addr, master_port, _hub
         )
-        assert config.shutdown_timeout is not None
-        agent = LocalElasticAgent(
-            spec,
-            config.start_method,
-            config.log_dir,
-            config.redirects,
-            config.tee,
-            config.shutdown_timeout,
-            exit_barrier_timeout=config.exit_barrier_timeout,
-            log_line_prefix_template=config.log_line_prefix_template,
-            local_ranks_filter=config.local_ranks_filter,
-            forkserver_preload=config.forkserver_preload,
-            signals_to_handle=config.signals_to_handle,
-            run_id=run_id,
-            _event_hub=_hub,
-        )
-        result = await agent.run()
-        if result.is_failed():
-            raise ChildFailedError(
-                name=_entrypoint_name(entrypoint, args), failures=result.failures
-            )
-        return result.return_values
     except (SignalReceived, anyio.get_cancelled_exc_class()):
         # As torch: a node stopped from outside leaves the rendezvous open, so that the
         # job can go on with the other nodes (and a join may still be in flight).
         shutdown_rdzv = False
         raise
     finally:
-        if shutdown_rdzv and handler is not None:
-            await Rendezvous(handler, owned=True).aclose()
+        if handler is not None:
+            if shutdown_rdzv:
+                await Rendezvous(handler, owned=True).aclose()
+            # torch's handler sits in reference cycles, so the TCPStore it hosts (and its
+            # port) would outlive this launch until the cycle collector happens to run: a
+            # second launch of the same config would then join the old, closed rendezvous.
+            handler = None
+            gc.collect()
+    if result.is_failed():
+        # Raised here, not in _run_agent: a traceback through the agent's frames would
+        # keep the handler and its store alive for as long as the error is kept.
+        raise ChildFailedError(name=_entrypoint_name(entrypoint, args), failures=result.failures)
+    return result.return_values
+
+
+async def _run_agent(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+    handler: RendezvousHandler | None,
+    run_id: str,
+    master_addr: str | None,
+    master_port: int | None,
+    hub: EventHub | None,
+) -> RunResult:
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        virtual_local_rank=config.virtual_local_rank,
+        restart_backoff=config.restart_backoff,
+        no_retry_exit_codes=config.no_retry_exit_codes,
+    )
+    assert config.shutdown_timeout is not None
+    agent = LocalElasticAgent(
+        spec,
+        config.start_method,
+        config.log_dir,
+        config.redirects,
+        config.tee,
+        config.shutdown_timeout,
+        exit_barrier_timeout=config.exit_barrier_timeout,
+        log_line_prefix_template=config.log_line_prefix_template,
+        local_ranks_filter=config.local_ranks_filter,
+        forkserver_preload=config.forkserver_preload,
+        signals_to_handle=config.signals_to_handle,
+        run_id=run_id,
+        _event_hub=hub,
+    )
+    return await agent.run()
