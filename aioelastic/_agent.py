@@ -47,6 +47,7 @@ import anyio
 
 from . import _values as values
 from ._agent_env import worker_env
+from ._config import AgentConfig
 from ._errors import ProcessFailure
 from ._events import (
     AgentEvent,
@@ -70,7 +71,7 @@ from ._rendezvous import (
 )
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
-from ._std import Std, to_map
+from ._std import Std
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -426,39 +427,26 @@ class LocalElasticAgent:
         signals_to_handle: str | None = None,
         run_id: str | None = None,
         _event_hub: EventHub | None = None,
+        _config: AgentConfig | None = None,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be an aioelastic WorkerSpec, got {type(spec).__name__}")
-        values.field("start_method", values.start_method, start_method)
-        shutdown_timeout = values.field("shutdown_timeout", values.duration, shutdown_timeout)
-        exit_barrier_timeout = values.field(
-            "exit_barrier_timeout", values.duration, exit_barrier_timeout
-        )
         # Checked now, not after a rendezvous that peers would then wait on in vain.
-        self._redirects = to_map(redirects, spec.local_world_size)
-        self._tee = to_map(tee, spec.local_world_size)
-        if isinstance(forkserver_preload, str):
-            raise TypeError(
-                f"forkserver_preload must be a collection of module names, got "
-                f"{forkserver_preload!r}; wrap one name in a tuple: ({forkserver_preload!r},)"
-            )
-        self._explicit_signals = signals_to_handle
-        if signals_to_handle is None:
-            signals_to_handle = os.environ.get(
-                "TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_SIGNALS_TO_HANDLE
-            )
-        self._signals = values.field("signals_to_handle", values.signals, signals_to_handle)
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
-        self._default_run_id = run_id
+        self._config = _config or AgentConfig.build(
+            nprocs=spec.local_world_size,
+            start_method=start_method,
+            log_dir=log_dir,
+            redirects=redirects,
+            tee=tee,
+            shutdown_timeout=shutdown_timeout,
+            exit_barrier_timeout=exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+            local_ranks_filter=local_ranks_filter,
+            forkserver_preload=forkserver_preload,
+            signals_to_handle=signals_to_handle,
+            run_id=run_id,
+        )
         self._spec = spec
-        self._start_method = start_method
-        self._log_dir_arg = None if log_dir is None else Path(log_dir)
-        self._shutdown_timeout = float(shutdown_timeout)
-        self._exit_barrier_timeout = float(exit_barrier_timeout)
-        self._log_line_prefix_template = log_line_prefix_template
-        self._local_ranks_filter = local_ranks_filter
-        self._forkserver_preload = tuple(forkserver_preload)
         self._group = WorkerGroup(spec)
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.
         self._hub = EventHub() if _event_hub is None else _event_hub
@@ -515,9 +503,9 @@ class LocalElasticAgent:
                 rdzv = await self._open_rendezvous()
                 stack.push_async_callback(rdzv.aclose)
                 self._run_id = rdzv.run_id
-                if not self._signals:
+                if not self._config.signals:
                     return await self._invoke_run(rdzv)
-                scope = await stack.enter_async_context(handle_signals(self._signals))
+                scope = await stack.enter_async_context(handle_signals(self._config.signals))
                 self._signal_scope = scope
                 await stack.enter_async_context(scope.escalate(self._kill_now))
                 return await scope.run_until_signal(self._invoke_run(rdzv))
@@ -542,11 +530,11 @@ class LocalElasticAgent:
     # -- the run -----------------------------------------------------------------------
 
     def _prepare_log_root(self) -> None:
-        if self._log_dir_arg is None:
+        if self._config.log_dir is None:
             self._log_root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{self._spec.role}_"))
             logger.info("agent logs are in %s", self._log_root)
             return
-        root = self._log_dir_arg
+        root = self._config.log_dir
         if root.exists() and not root.is_dir():
             raise ValueError(f"log_dir={str(root)!r} is a file; give a directory")
         if root.is_dir():
@@ -566,7 +554,7 @@ class LocalElasticAgent:
         its ``torchelastic_*`` directories.
         """
         root = self._log_root
-        if self._log_dir_arg is not None or root is None:
+        if self._config.log_dir is not None or root is None:
             return
         if any(files for _, _, files in os.walk(root)):
             logger.info("agent logs kept in %s", root)
@@ -583,7 +571,7 @@ class LocalElasticAgent:
         # a fraction of torchrun's time, which spends most of it importing torch.
         # torchrun's run id is "none" for a static node (its --rdzv-id default) and a
         # fresh UUID for a standalone one.
-        run_id = self._default_run_id or ("none" if spec.master_port is not None else None)
+        run_id = self._config.run_id or ("none" if spec.master_port is not None else None)
         return LocalRendezvous(run_id, spec.local_addr)
 
     async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
@@ -598,7 +586,7 @@ class LocalElasticAgent:
             outcome = await self._run_attempt(rdzv)
             if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
                 group.state = WorkerState.SUCCEEDED
-                await rdzv.exit_barrier(self._exit_barrier_timeout)
+                await rdzv.exit_barrier(self._config.exit_barrier_timeout)
                 values = {
                     group.workers[lr].global_rank: v for lr, v in outcome.return_values.items()
                 }
@@ -689,7 +677,7 @@ class LocalElasticAgent:
                 restart_count=self._restart_count,
                 run_id=rdzv.run_id,
                 use_agent_store=rdzv.use_agent_store,
-                signals_to_handle=self._explicit_signals,
+                signals_to_handle=self._config.exported_signals,
             )
             for w in group.workers
         }
@@ -701,13 +689,13 @@ class LocalElasticAgent:
             },
             envs=envs,
             log_dir=self._log_root / f"attempt_{self._attempt}",
-            start_method=self._start_method,
-            redirects=self._redirects,
-            tee=self._tee,
-            grace_period=self._shutdown_timeout,
-            forkserver_preload=self._forkserver_preload,
-            local_ranks_filter=self._local_ranks_filter,
-            log_line_prefix=self._log_line_prefix_template,
+            start_method=self._config.start_method,
+            redirects=self._config.redirects,
+            tee=self._config.tee,
+            grace_period=self._config.shutdown_timeout,
+            forkserver_preload=self._config.forkserver_preload,
+            local_ranks_filter=self._config.local_ranks_filter,
+            log_line_prefix=self._config.log_line_prefix_template,
         )
         self._ctx = ctx
         try:

@@ -13,6 +13,7 @@ and turn a failed run into `ChildFailedError`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import sys
@@ -31,6 +32,7 @@ from ._agent import (
     RunResult,
     WorkerSpec,
 )
+from ._config import AgentConfig
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
 from ._rendezvous import Rendezvous, create_rdzv_handler
@@ -169,21 +171,11 @@ class LaunchConfig:
         values.field("role", values.name, self.role)
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
-        values.field("start_method", values.start_method, self.start_method)
-        values.field("signals_to_handle", values.signals, self.signals_to_handle)
         values.field("rdzv_endpoint", values.endpoint, self.rdzv_endpoint)
-        values.field(
-            "log_line_prefix_template", values.prefix_template, self.log_line_prefix_template
-        )
-        values.field("exit_barrier_timeout", values.duration, self.exit_barrier_timeout)
         self.no_retry_exit_codes = values.field(
             "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
         )
-        self.local_ranks_filter = values.field(
-            "local_ranks_filter",
-            lambda v: values.rank_filter(v, self.nproc_per_node),
-            self.local_ranks_filter,
-        )
+        self._agent_config()  # the agent's settings, checked now rather than at launch
         if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
             raise ValueError(
                 f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
@@ -195,6 +187,26 @@ class LaunchConfig:
                 f"max_nodes={self.max_nodes} needs rdzv_endpoint='host:port' where every "
                 "node finds the rendezvous store"
             )
+
+    def _agent_config(self) -> AgentConfig:
+        """The agent's typed settings from this config, as the agent will read them.
+
+        Raises:
+            ValueError, TypeError: a bad value, with the field's name.
+        """
+        return AgentConfig.build(
+            nprocs=self.nproc_per_node,
+            start_method=self.start_method,
+            log_dir=self.log_dir,
+            redirects=self.redirects,
+            tee=self.tee,
+            shutdown_timeout=values.shutdown_timeout(self.shutdown_timeout),
+            exit_barrier_timeout=self.exit_barrier_timeout,
+            log_line_prefix_template=self.log_line_prefix_template,
+            local_ranks_filter=self.local_ranks_filter,
+            forkserver_preload=self.forkserver_preload,
+            signals_to_handle=self.signals_to_handle,
+        )
 
 
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
@@ -332,20 +344,10 @@ async def _run_agent(
         restart_backoff=config.restart_backoff,
         no_retry_exit_codes=config.no_retry_exit_codes,
     )
-    assert config.shutdown_timeout is not None
     agent = LocalElasticAgent(
         spec,
-        config.start_method,
-        config.log_dir,
-        config.redirects,
-        config.tee,
-        config.shutdown_timeout,
-        exit_barrier_timeout=config.exit_barrier_timeout,
-        log_line_prefix_template=config.log_line_prefix_template,
-        local_ranks_filter=config.local_ranks_filter,
-        forkserver_preload=config.forkserver_preload,
-        signals_to_handle=config.signals_to_handle,
-        run_id=run_id,
         _event_hub=hub,
+        # Built once from the config; the agent reads it and parses nothing again.
+        _config=dataclasses.replace(config._agent_config(), run_id=run_id),
     )
     return await agent.run()
