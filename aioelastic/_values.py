@@ -15,7 +15,6 @@ No I/O and no torch in this module.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -87,6 +86,7 @@ def cli_type(parse: Callable[[str], _T], metavar: str) -> Callable[[str], _T]:
     argparse turns a ValueError from ``type`` into a bare "invalid value"; an
     ArgumentTypeError keeps our message, and argparse adds the usage line and exits 2.
     """
+    import argparse  # only the command line needs it; the API path stays lighter
 
     def convert(text: str) -> _T:
         try:

@@ -278,6 +278,10 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
     (["--master-port", "70000"], {}, [lambda: _spec(master_port=70000)],
      "70000 is not a port number 0..65535"),
     (["--master-port", "x"], {}, [lambda: _spec(master_port="x")], "'x' is not a port number"),
+    ([], {"PET_MASTER_PORT": "x"}, [lambda: _spec(master_port="x")],
+     "'x' is not a port number 0..65535"),
+    ([], {"PET_SIGNALS_TO_HANDLE": "TERM"}, [lambda: _config(signals_to_handle="TERM")],
+     "'TERM' is not a signal name; write 'SIGTERM'"),
     ([*_C10D, "--rdzv-endpoint", "[::1"], {}, [lambda: _config(rdzv_endpoint="[::1")],
      "'[::1' has no valid host"),
     ([*_C10D, "--rdzv-endpoint", "h:99999"], {}, [lambda: _config(rdzv_endpoint="h:99999")],
@@ -337,8 +341,8 @@ def test_a_bad_value_reads_the_same_from_the_cli_and_the_api(
     assert run.stderr.startswith("usage: aioelastic-run"), run.stderr
     error = run.stderr.splitlines()[-1]
     assert error.startswith("aioelastic-run: error: "), run.stderr
-    flags = [arg for arg in argv if arg.startswith("--")]
-    assert (flags[-1] if flags else "--shutdown-timeout") in error
+    named = [arg for arg in argv if arg.startswith("--")][-1:] or list(env)
+    assert named[0] in error
     assert message in error
     assert "Traceback" not in run.stderr
     for name, value in env.items():
