@@ -8,7 +8,9 @@ line winning over the environment, as in torchrun. A handful of flags of our own
 to anything but its default; nothing is silently ignored.
 
 Parsing is split in two steps with no I/O and no torch in either: `parse_args` turns argv
-into an `argparse.Namespace`, `plan_from_args` checks it and resolves torchrun's rules
+into an `argparse.Namespace` whose values are already typed (each flag's text goes through
+its parser in `._values`, the one the API uses too, so a bad value is argparse's usage
+error, exit 2), `plan_from_args` checks the combinations and resolves torchrun's rules
 (``--standalone``, the implicit single-node rendezvous, python vs ``--no-python`` vs
 ``--module``) into a `LaunchPlan`. Only ``--nproc-per-node auto|gpu|xpu|<device>`` imports
 torch, since only torch can count accelerators.
@@ -37,6 +39,7 @@ __all__ = [
     "parse_args",
     "plan_from_args",
     "resolve_nproc_per_node",
+    "usage_error",
 ]
 
 ENV_PREFIX = "PET_"

@@ -486,7 +486,12 @@ class Rendezvous:
 
     async def num_nodes_waiting(self) -> int:
         """How many nodes wait to join (a scale-up, or a replacement for a lost node)."""
-        return await self._thread.call(self.handler.num_nodes_waiting)
+
+        def waiting() -> int:
+            with _connection_errors_explained():
+                return self.handler.num_nodes_waiting()
+
+        return await self._thread.call(waiting)
 
     async def exit_barrier(self, timeout: float) -> bool:
         """Wait until every node of the last round finished its workers (torch's barrier).
