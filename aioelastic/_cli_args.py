@@ -669,11 +669,10 @@ def plan_from_args(
 
     redirects, tee = args.redirects, args.tee
     for name, value in (("--redirects", redirects), ("--tee", tee)):
-        if isinstance(value, dict) and any(rank >= nproc for rank in value):
-            raise ValueError(
-                f"{name} names local rank {max(value)}, but --nproc-per-node gives "
-                f"local ranks 0..{nproc - 1}"
-            )
+        try:
+            to_map(value, nproc)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e} (--nproc-per-node {nproc})") from None
     try:
         shutdown_timeout = values.shutdown_timeout(args.shutdown_timeout, environ)
     except ValueError as e:

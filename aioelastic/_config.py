@@ -98,8 +98,10 @@ class AgentConfig:
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             log_dir=None if log_dir is None else Path(log_dir),
-            redirects=MappingProxyType(to_map(redirects, nprocs)),
-            tee=MappingProxyType(to_map(tee, nprocs)),
+            redirects=MappingProxyType(
+                values.field("redirects", lambda v: to_map(v, nprocs), redirects)
+            ),
+            tee=MappingProxyType(values.field("tee", lambda v: to_map(v, nprocs), tee)),
             shutdown_timeout=values.field("shutdown_timeout", values.duration, shutdown_timeout),
             exit_barrier_timeout=values.field(
                 "exit_barrier_timeout", values.duration, exit_barrier_timeout

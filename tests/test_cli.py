@@ -24,6 +24,8 @@ from typing import Any
 
 import pytest
 
+from aioelastic._std import Std
+
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")
 READY = re.compile(r"ready rank=(\d+) pid=(\d+)(?: child=(\d+))?")
@@ -297,6 +299,8 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
     (["--nproc-per-node", "2", "--local-ranks-filter", "5"], {},
      [lambda: _config(nproc_per_node=2, local_ranks_filter={5}),
       lambda: _start(local_ranks_filter={5})], "names local rank 5, but there are local ranks"),
+    (["--tee", "5:1"], {}, [lambda: _config(tee={5: Std.OUT})],
+     "local rank 5 in {5: <Std.OUT: 1>} is out of range: local ranks are 0..0"),
     (["--no-retry-exit-codes", "0"], {}, [lambda: _config(no_retry_exit_codes={0}),
                                           lambda: _spec(no_retry_exit_codes={0})],
      "0 is success, not a failing exit code"),
