@@ -37,7 +37,7 @@ import signal
 import string
 import tempfile
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +45,9 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from . import _values as values
 from ._agent_env import worker_env
+from ._config import AgentConfig
 from ._errors import ProcessFailure
 from ._events import (
     AgentEvent,
@@ -69,8 +71,7 @@ from ._rendezvous import (
 )
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
-from ._std import Std, to_map
-from ._validate import START_METHODS
+from ._std import Std
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -93,7 +94,7 @@ logger = logging.getLogger("aioelastic.agent")
 
 DEFAULT_ROLE = "default"
 
-DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+DEFAULT_SIGNALS_TO_HANDLE = values.DEFAULT_SIGNALS_TO_HANDLE
 """torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE`` / ``--signals-to-handle``."""
 
 _LOCAL_RANK_MACRO = "local_rank"
@@ -158,24 +159,6 @@ class RestartBackoff:
         return base - spread + (rng or random).uniform(0.0, spread)
 
 
-def _exit_codes(value: object) -> frozenset[int]:
-    if isinstance(value, (int, str, bytes)):
-        raise TypeError(
-            f"no_retry_exit_codes must be a collection of ints, got {value!r}; "
-            "e.g. no_retry_exit_codes={2} (wrap a single code in a set)"
-        )
-    if not isinstance(value, Iterable):
-        raise TypeError(f"no_retry_exit_codes must be a collection of ints, got {value!r}")
-    codes = set()
-    for code in value:
-        if isinstance(code, bool) or not isinstance(code, int):
-            raise TypeError(f"no_retry_exit_codes must hold ints, got {code!r}")
-        if code == 0:
-            raise ValueError("no_retry_exit_codes cannot hold 0: exit code 0 is success")
-        codes.add(code)
-    return frozenset(codes)
-
-
 @dataclass(kw_only=True)
 class WorkerSpec:
     """What to run on this node, and how to recover: torch's ``WorkerSpec`` plus extras.
@@ -222,11 +205,8 @@ class WorkerSpec:
     no_retry_exit_codes: Collection[int] = frozenset()
 
     def __post_init__(self) -> None:
-        if not isinstance(self.role, str) or not self.role:
-            raise ValueError(f"role must be a non-empty str, got {self.role!r}")
-        lws = self.local_world_size
-        if isinstance(lws, bool) or not isinstance(lws, int) or lws < 1:
-            raise ValueError(f"local_world_size must be an int >= 1, got {lws!r}")
+        values.field("role", values.name, self.role)
+        values.field("local_world_size", values.positive_int, self.local_world_size)
         if isinstance(self.entrypoint, str):
             if not self.entrypoint:
                 raise ValueError("entrypoint is an empty str; give a binary's path or name")
@@ -240,27 +220,20 @@ class WorkerSpec:
             self.args = tuple(args)
         elif not isinstance(args, tuple):
             raise TypeError(f"args must be a tuple, got {type(args).__name__}: {args!r}")
-        mr = self.max_restarts
-        if isinstance(mr, bool) or not isinstance(mr, int) or mr < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {mr!r}")
-        mi = self.monitor_interval
-        if isinstance(mi, bool) or not isinstance(mi, (int, float)) or not mi > 0:
-            raise ValueError(f"monitor_interval must be > 0 seconds, got {mi!r}")
-        if self.master_port is not None and (
-            isinstance(self.master_port, bool)
-            or not isinstance(self.master_port, int)
-            or not 0 < self.master_port < 65536
-        ):
-            raise ValueError(
-                f"master_port must be a port number 1..65535, got {self.master_port!r}"
-            )
+        values.field("max_restarts", values.non_negative_int, self.max_restarts)
+        values.field("monitor_interval", values.positive_duration, self.monitor_interval)
+        if self.master_port is not None:
+            # Port 0 is any free port, which is what None already asks for.
+            self.master_port = values.field("master_port", values.port, self.master_port) or None
         if self.restart_backoff is not None and not isinstance(
             self.restart_backoff, RestartBackoff
         ):
             raise TypeError(
                 f"restart_backoff must be a RestartBackoff or None, got {self.restart_backoff!r}"
             )
-        self.no_retry_exit_codes = _exit_codes(self.no_retry_exit_codes)
+        self.no_retry_exit_codes = values.field(
+            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
+        )
 
     def get_entrypoint_name(self) -> str:
         """The binary's file name, or the function's qualified name."""
@@ -371,24 +344,6 @@ class RunResult:
         return self.state == WorkerState.FAILED
 
 
-def _parse_signals(value: str) -> tuple[signal.Signals, ...]:
-    if not isinstance(value, str):
-        raise TypeError(
-            f"signals_to_handle must be a str like {DEFAULT_SIGNALS_TO_HANDLE!r}, got {value!r}"
-        )
-    found = []
-    for name in filter(None, (part.strip() for part in value.split(","))):
-        sig = getattr(signal, name, None) if name.startswith("SIG") else None
-        if not isinstance(sig, signal.Signals) or sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(
-                f"signals_to_handle={value!r}: {name!r} is not a catchable signal name; "
-                f"use names such as {DEFAULT_SIGNALS_TO_HANDLE!r}, or '' for none"
-            )
-        if sig not in found:
-            found.append(sig)
-    return tuple(found)
-
-
 def _substitute_local_rank(args: tuple[Any, ...], local_rank: int) -> tuple[Any, ...]:
     return tuple(
         string.Template(a).safe_substitute({_LOCAL_RANK_MACRO: str(local_rank)})
@@ -472,45 +427,26 @@ class LocalElasticAgent:
         signals_to_handle: str | None = None,
         run_id: str | None = None,
         _event_hub: EventHub | None = None,
+        _config: AgentConfig | None = None,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be an aioelastic WorkerSpec, got {type(spec).__name__}")
-        if start_method not in START_METHODS:
-            raise ValueError(
-                f"start_method={start_method!r} is not supported; use one of "
-                f"{', '.join(map(repr, START_METHODS))}"
-            )
-        for name, value in (
-            ("shutdown_timeout", shutdown_timeout),
-            ("exit_barrier_timeout", exit_barrier_timeout),
-        ):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name} must be a number of seconds >= 0, got {value!r}")
         # Checked now, not after a rendezvous that peers would then wait on in vain.
-        self._redirects = to_map(redirects, spec.local_world_size)
-        self._tee = to_map(tee, spec.local_world_size)
-        if isinstance(forkserver_preload, str):
-            raise TypeError(
-                f"forkserver_preload must be a collection of module names, got "
-                f"{forkserver_preload!r}; wrap one name in a tuple: ({forkserver_preload!r},)"
-            )
-        self._explicit_signals = signals_to_handle
-        if signals_to_handle is None:
-            signals_to_handle = os.environ.get(
-                "TORCHELASTIC_SIGNALS_TO_HANDLE", DEFAULT_SIGNALS_TO_HANDLE
-            )
-        self._signals = _parse_signals(signals_to_handle)
-        if run_id is not None and (not isinstance(run_id, str) or not run_id):
-            raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
-        self._default_run_id = run_id
+        self._config = _config or AgentConfig.build(
+            nprocs=spec.local_world_size,
+            start_method=start_method,
+            log_dir=log_dir,
+            redirects=redirects,
+            tee=tee,
+            shutdown_timeout=shutdown_timeout,
+            exit_barrier_timeout=exit_barrier_timeout,
+            log_line_prefix_template=log_line_prefix_template,
+            local_ranks_filter=local_ranks_filter,
+            forkserver_preload=forkserver_preload,
+            signals_to_handle=signals_to_handle,
+            run_id=run_id,
+        )
         self._spec = spec
-        self._start_method = start_method
-        self._log_dir_arg = None if log_dir is None else Path(log_dir)
-        self._shutdown_timeout = float(shutdown_timeout)
-        self._exit_barrier_timeout = float(exit_barrier_timeout)
-        self._log_line_prefix_template = log_line_prefix_template
-        self._local_ranks_filter = local_ranks_filter
-        self._forkserver_preload = tuple(forkserver_preload)
         self._group = WorkerGroup(spec)
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.
         self._hub = EventHub() if _event_hub is None else _event_hub
@@ -567,9 +503,9 @@ class LocalElasticAgent:
                 rdzv = await self._open_rendezvous()
                 stack.push_async_callback(rdzv.aclose)
                 self._run_id = rdzv.run_id
-                if not self._signals:
+                if not self._config.signals:
                     return await self._invoke_run(rdzv)
-                scope = await stack.enter_async_context(handle_signals(self._signals))
+                scope = await stack.enter_async_context(handle_signals(self._config.signals))
                 self._signal_scope = scope
                 await stack.enter_async_context(scope.escalate(self._kill_now))
                 return await scope.run_until_signal(self._invoke_run(rdzv))
@@ -594,11 +530,11 @@ class LocalElasticAgent:
     # -- the run -----------------------------------------------------------------------
 
     def _prepare_log_root(self) -> None:
-        if self._log_dir_arg is None:
+        if self._config.log_dir is None:
             self._log_root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{self._spec.role}_"))
             logger.info("agent logs are in %s", self._log_root)
             return
-        root = self._log_dir_arg
+        root = self._config.log_dir
         if root.exists() and not root.is_dir():
             raise ValueError(f"log_dir={str(root)!r} is a file; give a directory")
         if root.is_dir():
@@ -618,7 +554,7 @@ class LocalElasticAgent:
         its ``torchelastic_*`` directories.
         """
         root = self._log_root
-        if self._log_dir_arg is not None or root is None:
+        if self._config.log_dir is not None or root is None:
             return
         if any(files for _, _, files in os.walk(root)):
             logger.info("agent logs kept in %s", root)
@@ -635,7 +571,7 @@ class LocalElasticAgent:
         # a fraction of torchrun's time, which spends most of it importing torch.
         # torchrun's run id is "none" for a static node (its --rdzv-id default) and a
         # fresh UUID for a standalone one.
-        run_id = self._default_run_id or ("none" if spec.master_port is not None else None)
+        run_id = self._config.run_id or ("none" if spec.master_port is not None else None)
         return LocalRendezvous(run_id, spec.local_addr)
 
     async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
@@ -650,7 +586,7 @@ class LocalElasticAgent:
             outcome = await self._run_attempt(rdzv)
             if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
                 group.state = WorkerState.SUCCEEDED
-                await rdzv.exit_barrier(self._exit_barrier_timeout)
+                await rdzv.exit_barrier(self._config.exit_barrier_timeout)
                 values = {
                     group.workers[lr].global_rank: v for lr, v in outcome.return_values.items()
                 }
@@ -741,7 +677,7 @@ class LocalElasticAgent:
                 restart_count=self._restart_count,
                 run_id=rdzv.run_id,
                 use_agent_store=rdzv.use_agent_store,
-                signals_to_handle=self._explicit_signals,
+                signals_to_handle=self._config.exported_signals,
             )
             for w in group.workers
         }
@@ -753,13 +689,13 @@ class LocalElasticAgent:
             },
             envs=envs,
             log_dir=self._log_root / f"attempt_{self._attempt}",
-            start_method=self._start_method,
-            redirects=self._redirects,
-            tee=self._tee,
-            grace_period=self._shutdown_timeout,
-            forkserver_preload=self._forkserver_preload,
-            local_ranks_filter=self._local_ranks_filter,
-            log_line_prefix=self._log_line_prefix_template,
+            start_method=self._config.start_method,
+            redirects=self._config.redirects,
+            tee=self._config.tee,
+            grace_period=self._config.shutdown_timeout,
+            forkserver_preload=self._config.forkserver_preload,
+            local_ranks_filter=self._config.local_ranks_filter,
+            log_line_prefix=self._config.log_line_prefix_template,
         )
         self._ctx = ctx
         try:

@@ -8,7 +8,9 @@ line winning over the environment, as in torchrun. A handful of flags of our own
 to anything but its default; nothing is silently ignored.
 
 Parsing is split in two steps with no I/O and no torch in either: `parse_args` turns argv
-into an `argparse.Namespace`, `plan_from_args` checks it and resolves torchrun's rules
+into an `argparse.Namespace` whose values are already typed (each flag's text goes through
+its parser in `._values`, the one the API uses too, so a bad value is argparse's usage
+error, exit 2), `plan_from_args` checks the combinations and resolves torchrun's rules
 (``--standalone``, the implicit single-node rendezvous, python vs ``--no-python`` vs
 ``--module``) into a `LaunchPlan`. Only ``--nproc-per-node auto|gpu|xpu|<device>`` imports
 torch, since only torch can count accelerators.
@@ -19,14 +21,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import string
 import sys
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
+from . import _values as values
 from ._std import Std, to_map
+from ._values import cli_type
 
 __all__ = [
     "FLAGS",
@@ -36,6 +39,7 @@ __all__ = [
     "parse_args",
     "plan_from_args",
     "resolve_nproc_per_node",
+    "usage_error",
 ]
 
 ENV_PREFIX = "PET_"
@@ -44,12 +48,20 @@ ENV_PREFIX = "PET_"
 TORCH_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 """Where torchrun reads its (flag-less) log line prefix template from."""
 
-TORCH_SHUTDOWN_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
-"""torch's fallback for ``--shutdown-timeout``."""
+TORCH_SHUTDOWN_ENV = values.SHUTDOWN_TIMEOUT_ENV
+PREFIX_FIELDS = values.PREFIX_FIELDS
 
-DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-PREFIX_FIELDS = ("role_name", "rank", "local_rank", "hostname")
-_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+def _endpoint_text(text: str) -> str:
+    """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch."""
+    values.endpoint(text)
+    return text.strip()
+
+
+def _signals_text(text: str) -> str:
+    """``--signals-to-handle``: checked now, kept as text (exported to workers as given)."""
+    values.signals(text)
+    return text
 
 
 def _switch(value: str) -> bool:
@@ -116,7 +128,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- sizes ------------------------------------------------------------------------
     Flag(
         _both("nnodes"),
-        str,
+        cli_type(values.nnodes, "N|MIN:MAX"),
         "1:1",
         "Number of nodes, or the range of nodes as MIN:MAX.",
         metavar="N|MIN:MAX",
@@ -133,7 +145,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(_both("rdzv-backend"), str, "static", "Rendezvous backend (static, c10d, etcd, ...)."),
     Flag(
         _both("rdzv-endpoint"),
-        str,
+        cli_type(_endpoint_text, "HOST[:PORT]"),
         "",
         "Rendezvous endpoint, usually HOST:PORT.",
         metavar="HOST[:PORT]",
@@ -141,7 +153,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(_both("rdzv-id"), str, "none", "Job id shared by every node of the job."),
     Flag(
         _both("rdzv-conf"),
-        str,
+        cli_type(values.rdzv_conf, "K=V,..."),
         "",
         "Rendezvous options, KEY=VALUE,KEY=VALUE (e.g. join_timeout=60).",
         metavar="K=V,...",
@@ -154,10 +166,15 @@ FLAGS: tuple[Flag, ...] = (
         "rendezvous flags are ignored (as in torchrun).",
     ),
     # -- running the workers ----------------------------------------------------------
-    Flag(_both("max-restarts"), int, 0, "Worker group restarts allowed before failing."),
+    Flag(
+        _both("max-restarts"),
+        cli_type(values.non_negative_int, "N"),
+        0,
+        "Worker group restarts allowed before failing.",
+    ),
     Flag(
         _both("monitor-interval"),
-        float,
+        cli_type(values.positive_duration, "SECONDS"),
         0.1,
         "How often to check for nodes waiting to join; worker exits are acted on when the "
         "kernel reports them, never polled.",
@@ -165,10 +182,10 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("start-method"),
-        str,
+        cli_type(values.start_method, "METHOD"),
         "spawn",
         "How workers are made with --run-path (scripts always start as new processes).",
-        choices=("spawn", "fork", "forkserver"),
+        choices=values.START_METHODS,
     ),
     Flag(
         _both("event-log-handler"),
@@ -178,7 +195,7 @@ FLAGS: tuple[Flag, ...] = (
         refused="torch's event log handlers are not supported; aioelastic-run logs the "
         "agent's lifecycle itself (use --event-log-handler null, the default)",
     ),
-    Flag(_both("role"), str, "default", "Role name of the workers."),
+    Flag(_both("role"), cli_type(values.name, "NAME"), "default", "Role name of the workers."),
     Flag(
         ("-m", "--module"),
         None,
@@ -208,7 +225,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("-r", "--redirects"),
-        str,
+        cli_type(Std.from_str, "STD"),
         "0",
         "Streams written to files in the log directory: 0 none, 1 stdout, 2 stderr, 3 both; "
         "or per local rank, e.g. 0:3,1:0.",
@@ -216,7 +233,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("-t", "--tee"),
-        str,
+        cli_type(Std.from_str, "STD"),
         "0",
         "Streams written to files and also to the console with a rank prefix "
         "(same format as --redirects).",
@@ -224,7 +241,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("local-ranks-filter"),
-        str,
+        cli_type(values.rank_filter, "RANKS"),
         "",
         "Local ranks whose output is shown on the console (e.g. 0,1); the others still "
         "go to their log files, and their failures are still reported in full.",
@@ -249,7 +266,12 @@ FLAGS: tuple[Flag, ...] = (
         metavar="FILTERS",
     ),
     # -- static rendezvous (torch.distributed.launch compatibility) -------------------
-    Flag(_both("node-rank"), int, 0, "Rank of this node (static rendezvous only)."),
+    Flag(
+        _both("node-rank"),
+        cli_type(values.non_negative_int, "N"),
+        0,
+        "Rank of this node (static rendezvous only).",
+    ),
     Flag(
         _both("master-addr"),
         str,
@@ -259,7 +281,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("master-port"),
-        int,
+        cli_type(values.port, "PORT"),
         None,
         "Port on node rank 0 (static rendezvous only); a free port for a single-node job.",
         metavar="PORT",
@@ -291,7 +313,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("signals-to-handle"),
-        str,
+        cli_type(_signals_text, "SIG,..."),
         "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
         "Signals that stop the job: the workers get SIGTERM and --shutdown-timeout seconds "
         "before SIGKILL; a second signal kills at once. Exit status 128+N for signal N.",
@@ -299,7 +321,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("shutdown-timeout"),
-        float,
+        cli_type(values.duration, "SECONDS"),
         None,
         f"Seconds between the stop signal and SIGKILL (default: ${TORCH_SHUTDOWN_ENV} or 30).",
         metavar="SECONDS",
@@ -313,7 +335,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- ours -------------------------------------------------------------------------
     Flag(
         ("--log-line-prefix-template",),
-        str,
+        cli_type(values.prefix_template, "TEMPLATE"),
         None,
         "Prefix of tee'd console lines, with ${role_name} ${rank} ${local_rank} "
         f"${{hostname}} (default: ${TORCH_PREFIX_ENV}, as torchrun, else "
@@ -323,7 +345,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--restart-backoff",),
-        float,
+        cli_type(values.duration, "SECONDS"),
         0.0,
         "Seconds to wait before the first restart, doubled at each further restart (with "
         "jitter), up to --restart-backoff-max; 0 restarts at once, as torchrun.",
@@ -332,7 +354,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--restart-backoff-max",),
-        float,
+        cli_type(values.duration, "SECONDS"),
         60.0,
         "Longest wait between restarts.",
         ours=True,
@@ -340,7 +362,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--no-retry-exit-codes",),
-        str,
+        cli_type(values.exit_codes, "CODES"),
         "",
         "Worker exit codes that fail the job at once, restarts left or not (e.g. 2,3 for "
         "usage and configuration errors that a restart cannot fix).",
@@ -415,15 +437,13 @@ def _env_default(flag: Flag, environ: Mapping[str, str]) -> Any:
         raw = environ.get(TORCH_PREFIX_ENV)
     if raw is None:
         return flag.default
-    convert = flag.convert or _switch
     try:
-        value = convert(raw)
-    except ValueError as e:
-        kind = "0 or 1" if flag.is_switch else getattr(convert, "__name__", "value")
+        value: Any = _switch(raw) if flag.convert is None else flag.convert(raw)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        why = "not 0 or 1" if flag.is_switch else str(e)
         raise ValueError(
-            f"{flag.env_var}={raw!r} is not a valid {kind} for {flag.names[0]}; "
-            f"fix or unset {flag.env_var}"
-        ) from e
+            f"{flag.env_var}={raw!r} (for {flag.names[0]}): {why}; fix or unset {flag.env_var}"
+        ) from None
     if flag.choices is not None and value not in flag.choices:
         raise ValueError(
             f"{flag.env_var}={raw!r} is not one of {', '.join(flag.choices)} "
@@ -448,8 +468,18 @@ def parse_args(
     try:
         parser = build_parser(environ)
     except ValueError as e:
-        _Parser(prog="aioelastic-run").error(str(e))
+        # A bad PET_* variable: the usage of the parser without the environment.
+        usage_error(str(e))
     return parser.parse_args(argv)
+
+
+def usage_error(message: str) -> NoReturn:
+    """Exit 2 with the usage line and ``message``, as argparse does for a bad flag.
+
+    For the checks that involve several flags (made after parsing) and a bad ``PET_*``
+    variable, so that every command-line mistake ends the same way.
+    """
+    build_parser({}).error(message)
 
 
 @dataclass(frozen=True)
@@ -556,16 +586,9 @@ def plan_from_args(
         environ = os.environ
     _refuse_unsupported(args)
     warnings: list[str] = []
-    min_nodes, max_nodes = parse_nnodes(args.nnodes)
+    min_nodes, max_nodes = args.nnodes
+    nnodes_text = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
     nproc = (nproc_resolver or resolve_nproc_per_node)(args.nproc_per_node)
-    if args.max_restarts < 0:
-        raise ValueError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    if args.monitor_interval <= 0:
-        raise ValueError(f"--monitor-interval must be > 0 seconds, got {args.monitor_interval}")
-    if args.node_rank < 0:
-        raise ValueError(f"--node-rank must be >= 0, got {args.node_rank}")
-    if args.master_port is not None and not 0 <= args.master_port <= 65535:
-        raise ValueError(f"--master-port must be a port number 0..65535, got {args.master_port}")
 
     backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
     if args.standalone:
@@ -585,7 +608,7 @@ def plan_from_args(
             )
         if max_nodes != 1:
             raise ValueError(
-                f"--standalone runs a single node, but --nnodes={args.nnodes!r}; drop "
+                f"--standalone runs a single node, but --nnodes={nnodes_text}; drop "
                 "--standalone and give a rendezvous (--rdzv-backend c10d --rdzv-endpoint "
                 "HOST:PORT) for a multi-node job"
             )
@@ -602,16 +625,16 @@ def plan_from_args(
         )
     elif args.node_rank >= max_nodes:
         raise ValueError(
-            f"--node-rank={args.node_rank} is out of range for --nnodes={args.nnodes!r}: "
+            f"--node-rank={args.node_rank} is out of range for --nnodes={nnodes_text}: "
             f"node ranks are 0..{max_nodes - 1}"
         )
     if backend == "static" and not args.standalone and min_nodes != max_nodes:
         raise ValueError(
             f"the static rendezvous needs a fixed number of nodes, got --nnodes="
-            f"{args.nnodes!r}; give --nnodes N, or use --rdzv-backend c10d for MIN:MAX"
+            f"{nnodes_text}; give --nnodes N, or use --rdzv-backend c10d for MIN:MAX"
         )
 
-    rdzv_configs: dict[str, Any] = dict(parse_rdzv_conf(args.rdzv_conf))
+    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
     master_addr, master_port = args.master_addr, args.master_port
     if single_node:
         # torchrun makes both --standalone and a bare single-node static run a private
@@ -622,35 +645,45 @@ def plan_from_args(
             master_addr, master_port, endpoint = "127.0.0.1", None, ""
             backend, run_id = "static", str(uuid.uuid4())
         elif endpoint:
-            master_addr, master_port = _split_endpoint(endpoint, master_port)
+            master_addr, master_port = values.endpoint(endpoint, master_port)
         elif master_port is None:
             run_id = str(uuid.uuid4())
+        # Port 0 is any free port: with one node nobody else needs to know which.
+        master_port = master_port or None
         rdzv_configs["rank"] = 0
     elif backend == "static":
         rdzv_configs["rank"] = args.node_rank
         if not endpoint:
             endpoint = f"{master_addr}:{29500 if master_port is None else master_port}"
-        master_addr, master_port = _split_endpoint(endpoint, master_port)
+        master_addr, master_port = values.endpoint(endpoint, master_port)
+        if master_port is None or master_port == 0:
+            raise ValueError(
+                f"the static rendezvous of {nnodes_text} nodes needs a fixed port every node "
+                f"can reach, got --rdzv-endpoint/--master-port {endpoint!r}; give HOST:PORT"
+            )
     elif not endpoint:
         raise ValueError(
             f"--rdzv-backend={backend!r} needs --rdzv-endpoint HOST:PORT (the rendezvous "
             "store every node connects to)"
         )
 
-    redirects = _std_flag("--redirects", args.redirects)
-    tee = _std_flag("--tee", args.tee)
+    redirects, tee = args.redirects, args.tee
     for name, value in (("--redirects", redirects), ("--tee", tee)):
-        if isinstance(value, dict) and any(rank >= nproc for rank in value):
+        try:
+            to_map(value, nproc)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e} (--nproc-per-node {nproc})") from None
+    try:
+        shutdown_timeout = values.shutdown_timeout(args.shutdown_timeout, environ)
+    except ValueError as e:
+        raise ValueError(f"--shutdown-timeout not given and {e}") from None
+    if args.local_ranks_filter is not None:
+        bad = sorted(rank for rank in args.local_ranks_filter if rank >= nproc)
+        if bad:
             raise ValueError(
-                f"{name} names local rank {max(value)}, but --nproc-per-node gives "
-                f"local ranks 0..{nproc - 1}"
+                f"--local-ranks-filter names local rank {bad[0]}, but there are local ranks "
+                f"0..{nproc - 1} (--nproc-per-node {nproc})"
             )
-    shutdown_timeout = _shutdown_timeout(args.shutdown_timeout, environ)
-    if args.restart_backoff < 0 or args.restart_backoff_max < 0:
-        raise ValueError(
-            "--restart-backoff and --restart-backoff-max must be >= 0 seconds, got "
-            f"{args.restart_backoff} and {args.restart_backoff_max}"
-        )
     entrypoint, cmd_args = _command(args, environ)
     return LaunchPlan(
         min_nodes=min_nodes,
@@ -672,14 +705,14 @@ def plan_from_args(
         log_dir=args.log_dir,
         redirects=_union(redirects, tee, nproc),
         tee=tee,
-        local_ranks_filter=parse_local_ranks_filter(args.local_ranks_filter, nproc),
-        log_line_prefix_template=_prefix_template(args.log_line_prefix_template),
-        signals_to_handle=parse_signals(args.signals_to_handle),
+        local_ranks_filter=args.local_ranks_filter,
+        log_line_prefix_template=args.log_line_prefix_template,
+        signals_to_handle=values.signals(args.signals_to_handle),
         signals_to_handle_text=args.signals_to_handle,
         shutdown_timeout=shutdown_timeout,
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,
-        no_retry_exit_codes=parse_exit_codes(args.no_retry_exit_codes),
+        no_retry_exit_codes=args.no_retry_exit_codes,
         virtual_local_rank=args.virtual_local_rank,
         entrypoint=entrypoint,
         args=cmd_args,
@@ -699,29 +732,6 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
             )
 
 
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """``"N"`` or ``"MIN:MAX"`` to ``(min_nodes, max_nodes)``.
-
-    Raises:
-        ValueError: another form, or not ``1 <= MIN <= MAX``.
-    """
-    parts = text.split(":")
-    try:
-        if len(parts) == 1:
-            low = high = int(parts[0])
-        elif len(parts) == 2:
-            low, high = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError(text)
-    except ValueError:
-        raise ValueError(
-            f"--nnodes={text!r} is not N or MIN:MAX with integers (e.g. 2 or 1:4)"
-        ) from None
-    if not 1 <= low <= high:
-        raise ValueError(f"--nnodes={text!r} needs 1 <= MIN <= MAX (e.g. 1:4)")
-    return low, high
-
-
 def resolve_nproc_per_node(text: str) -> int:
     """torchrun's ``--nproc-per-node``: an int, ``cpu``, ``auto``, ``gpu``, ``xpu``, or a device.
 
@@ -732,14 +742,11 @@ def resolve_nproc_per_node(text: str) -> int:
         ValueError: not a positive int or a known name, or the device type is absent.
     """
     value = text.strip()
-    try:
-        count = int(value)
-    except ValueError:
-        pass
-    else:
-        if count < 1:
-            raise ValueError(f"--nproc-per-node must be >= 1, got {count}")
-        return count
+    if value.lstrip("+-").isdigit():
+        try:
+            return values.positive_int(value)
+        except ValueError as e:
+            raise ValueError(f"--nproc-per-node: {e}") from None
     if value == "cpu":
         return _usable_cpus()
     if value in ("auto", "gpu", "xpu") or value.isidentifier():
@@ -781,176 +788,12 @@ def _count_devices(kind: str) -> int:
     )
 
 
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """torchrun's ``--rdzv-conf``: ``KEY=VALUE,KEY=VALUE`` to a dict of strings.
-
-    Raises:
-        ValueError: an item without a key or without a value.
-    """
-    config: dict[str, str] = {}
-    if not text.strip():
-        return config
-    for item in text.split(","):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not key or not sep or not value:
-            raise ValueError(
-                f"--rdzv-conf={text!r}: item {item!r} is not KEY=VALUE "
-                "(e.g. join_timeout=60,last_call_timeout=5)"
-            )
-        config[key] = value
-    return config
-
-
-def parse_local_ranks_filter(text: str, nproc: int) -> frozenset[int] | None:
-    """``"0,2"`` to ``{0, 2}``; ``""`` to ``None`` (every rank shown).
-
-    Raises:
-        ValueError: not comma-separated ints, or a rank outside ``0..nproc-1``.
-    """
-    if not text.strip():
-        return None
-    try:
-        ranks = frozenset(int(item) for item in text.split(","))
-    except ValueError:
-        raise ValueError(
-            f"--local-ranks-filter={text!r} is not a comma-separated list of local ranks (e.g. 0,1)"
-        ) from None
-    bad = sorted(rank for rank in ranks if not 0 <= rank < nproc)
-    if bad:
-        raise ValueError(
-            f"--local-ranks-filter={text!r} names local rank {bad[0]}, but "
-            f"--nproc-per-node gives local ranks 0..{nproc - 1}"
-        )
-    return ranks
-
-
-def parse_signals(text: str) -> tuple[signal.Signals, ...]:
-    """``"SIGTERM,SIGINT"`` (names, with or without ``SIG``, or numbers) to signals.
-
-    An empty string handles none: the launcher then dies of those signals' default
-    action, and its workers with it (they get SIGKILL when their parent dies).
-
-    Raises:
-        ValueError: an unknown signal, or SIGKILL/SIGSTOP (which cannot be handled).
-    """
-    result: list[signal.Signals] = []
-    for item in text.split(","):
-        name = item.strip()
-        if not name:
-            continue
-        try:
-            sig = signal.Signals(int(name)) if name.isdigit() else _signal_named(name)
-        except (KeyError, ValueError):
-            raise ValueError(
-                f"--signals-to-handle={text!r}: {name!r} is not a signal (e.g. SIGTERM,SIGUSR1)"
-            ) from None
-        if sig in _UNCATCHABLE:
-            raise ValueError(
-                f"--signals-to-handle={text!r}: {sig.name} cannot be handled; leave it out"
-            )
-        if sig not in result:
-            result.append(sig)
-    return tuple(result)
-
-
-def _signal_named(name: str) -> signal.Signals:
-    upper = name.upper()
-    return signal.Signals[upper if upper.startswith("SIG") else f"SIG{upper}"]
-
-
-def parse_exit_codes(text: str) -> frozenset[int]:
-    """``"2,3"`` to ``{2, 3}`` for ``--no-retry-exit-codes``.
-
-    Raises:
-        ValueError: not comma-separated ints in 1..255.
-    """
-    codes: set[int] = set()
-    for item in text.split(","):
-        if not item.strip():
-            continue
-        try:
-            code = int(item)
-        except ValueError:
-            raise ValueError(
-                f"--no-retry-exit-codes={text!r} is not a comma-separated list of exit "
-                "codes (e.g. 2,3)"
-            ) from None
-        if not 1 <= code <= 255:
-            raise ValueError(
-                f"--no-retry-exit-codes={text!r}: {code} is not a failing exit code (1..255)"
-            )
-        codes.add(code)
-    return frozenset(codes)
-
-
-def _split_endpoint(endpoint: str, fallback_port: int | None) -> tuple[str, int | None]:
-    """``host:port`` (IPv6 as ``[::1]:port``) to its parts, torch's endpoint rules."""
-    text = endpoint.strip()
-    host, port = text, fallback_port
-    if text.startswith("["):
-        close = text.find("]")
-        if close != -1:
-            host, rest = text[1:close], text[close + 1 :]
-            if rest.startswith(":") and rest[1:]:
-                port = _port(endpoint, rest[1:])
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-        port = _port(endpoint, port_text)
-    if not host:
-        raise ValueError(f"endpoint {endpoint!r} has no host; give HOST:PORT")
-    return host, port
-
-
-def _port(endpoint: str, text: str) -> int:
-    if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise ValueError(f"endpoint {endpoint!r} has an invalid port {text!r}; give HOST:PORT")
-    return int(text)
-
-
-def _std_flag(name: str, text: str) -> Std | dict[int, Std]:
-    try:
-        return Std.from_str(text)
-    except ValueError as e:
-        raise ValueError(f"{name}={text!r}: {e}") from None
-
-
 def _union(a: Std | dict[int, Std], b: Std | dict[int, Std], nproc: int) -> Std | dict[int, Std]:
     """Per-rank ``a | b``: torchrun writes tee'd streams to files too."""
     if isinstance(a, Std) and isinstance(b, Std):
         return a | b
     left, right = to_map(a, nproc), to_map(b, nproc)
     return {rank: left[rank] | right[rank] for rank in range(nproc)}
-
-
-def _shutdown_timeout(value: float | None, environ: Mapping[str, str]) -> float:
-    if value is None:
-        raw = environ.get(TORCH_SHUTDOWN_ENV)
-        if raw is None:
-            return DEFAULT_SHUTDOWN_TIMEOUT
-        try:
-            value = float(raw)
-        except ValueError:
-            raise ValueError(
-                f"{TORCH_SHUTDOWN_ENV}={raw!r} is not a number of seconds; fix or unset it"
-            ) from None
-    if value < 0:
-        raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {value}")
-    return float(value)
-
-
-def _prefix_template(template: str | None) -> str | None:
-    if template is None:
-        return None
-    try:
-        string.Template(template).substitute(dict.fromkeys(PREFIX_FIELDS, ""))
-    except (KeyError, ValueError) as e:
-        fields = " ".join(f"${{{name}}}" for name in PREFIX_FIELDS)
-        raise ValueError(
-            f"--log-line-prefix-template={template!r} is not a valid template ({e!r}); "
-            f"it may use {fields}"
-        ) from None
-    return template
 
 
 def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, tuple[str, ...]]:

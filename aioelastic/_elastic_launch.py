@@ -13,6 +13,8 @@ and turn a failed run into `ChildFailedError`.
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import os
 import sys
 import uuid
@@ -22,10 +24,18 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from ._agent import DEFAULT_SIGNALS_TO_HANDLE, LocalElasticAgent, RestartBackoff, WorkerSpec
+from . import _values as values
+from ._agent import (
+    DEFAULT_SIGNALS_TO_HANDLE,
+    LocalElasticAgent,
+    RestartBackoff,
+    RunResult,
+    WorkerSpec,
+)
+from ._config import AgentConfig
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
-from ._rendezvous import Rendezvous, create_rdzv_handler, parse_endpoint
+from ._rendezvous import Rendezvous, create_rdzv_handler
 from ._signals import SignalReceived
 from ._std import Std
 
@@ -123,14 +133,15 @@ class LaunchConfig:
     no_retry_exit_codes: Collection[int] = frozenset()
 
     def __post_init__(self) -> None:
+        # Each value through the parser the command line uses, so that a bad value reads
+        # the same from aioelastic-run and from here.
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(
-                f"min_nodes ({self.min_nodes}) must be <= max_nodes ({self.max_nodes})"
-            )
+            values.field(name, values.positive_int, getattr(self, name))
+        values.field(
+            "min_nodes, max_nodes",
+            lambda pair: values.node_range(*pair),
+            (self.min_nodes, self.max_nodes),
+        )
         unsupported = {
             "logs_specs": (self.logs_specs is not None, "use log_dir, redirects, tee"),
             "metrics_cfg": (bool(self.metrics_cfg), "aioelastic records no torch metrics"),
@@ -149,15 +160,22 @@ class LaunchConfig:
                     f"aioelastic{'; ' + hint if hint else ''}"
                 )
         # Copied, not updated in place: the caller's dict may be shared between configs.
-        self.rdzv_configs = dict(self.rdzv_configs)
+        self.rdzv_configs = values.field("rdzv_configs", values.rdzv_conf, self.rdzv_configs)
         if self.rdzv_timeout != -1:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
             self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
-        if self.shutdown_timeout is None:
-            self.shutdown_timeout = float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "30"))
-        elif self.shutdown_timeout < 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        self.shutdown_timeout = values.field(
+            "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
+        )
+        values.field("role", values.name, self.role)
+        values.field("max_restarts", values.non_negative_int, self.max_restarts)
+        values.field("monitor_interval", values.positive_duration, self.monitor_interval)
+        values.field("rdzv_endpoint", values.endpoint, self.rdzv_endpoint)
+        self.no_retry_exit_codes = values.field(
+            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
+        )
+        self._agent_config()  # the agent's settings, checked now rather than at launch
         if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
             raise ValueError(
                 f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
@@ -169,6 +187,26 @@ class LaunchConfig:
                 f"max_nodes={self.max_nodes} needs rdzv_endpoint='host:port' where every "
                 "node finds the rendezvous store"
             )
+
+    def _agent_config(self) -> AgentConfig:
+        """The agent's typed settings from this config, as the agent will read them.
+
+        Raises:
+            ValueError, TypeError: a bad value, with the field's name.
+        """
+        return AgentConfig.build(
+            nprocs=self.nproc_per_node,
+            start_method=self.start_method,
+            log_dir=self.log_dir,
+            redirects=self.redirects,
+            tee=self.tee,
+            shutdown_timeout=values.shutdown_timeout(self.shutdown_timeout),
+            exit_barrier_timeout=self.exit_barrier_timeout,
+            log_line_prefix_template=self.log_line_prefix_template,
+            local_ranks_filter=self.local_ranks_filter,
+            forkserver_preload=self.forkserver_preload,
+            signals_to_handle=self.signals_to_handle,
+        )
 
 
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
@@ -239,9 +277,11 @@ async def launch_agent(
     else:
         run_id = config.run_id or str(uuid.uuid4().int)
         if config.rdzv_backend == "static":
-            master_addr, master_port = parse_endpoint(endpoint, -1)
-            if master_port == -1:
+            master_addr, master_port = values.endpoint(endpoint)
+            if master_port is None:
                 raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
+            # Port 0 is any free port: only a single node can host its store there.
+            master_port = master_port or None
     if endpoint and not (config.rdzv_backend == "static" and config.max_nodes == 1):
         # A single static node meets nobody: the agent's torch-free LocalRendezvous.
         handler = await create_rdzv_handler(
@@ -255,48 +295,59 @@ async def launch_agent(
         )
     shutdown_rdzv = handler is not None
     try:
-        spec = WorkerSpec(
-            role=config.role,
-            local_world_size=config.nproc_per_node,
-            entrypoint=entrypoint,
-            args=tuple(args),
-            rdzv_handler=handler,
-            max_restarts=config.max_restarts,
-            monitor_interval=config.monitor_interval,
-            master_addr=master_addr,
-            master_port=master_port,
-            local_addr=config.local_addr,
-            virtual_local_rank=config.virtual_local_rank,
-            restart_backoff=config.restart_backoff,
-            no_retry_exit_codes=config.no_retry_exit_codes,
+        result = await _run_agent(
+            config, entrypoint, args, handler, run_id, master_addr, master_port, _hub
         )
-        assert config.shutdown_timeout is not None
-        agent = LocalElasticAgent(
-            spec,
-            config.start_method,
-            config.log_dir,
-            config.redirects,
-            config.tee,
-            config.shutdown_timeout,
-            exit_barrier_timeout=config.exit_barrier_timeout,
-            log_line_prefix_template=config.log_line_prefix_template,
-            local_ranks_filter=config.local_ranks_filter,
-            forkserver_preload=config.forkserver_preload,
-            signals_to_handle=config.signals_to_handle,
-            run_id=run_id,
-            _event_hub=_hub,
-        )
-        result = await agent.run()
-        if result.is_failed():
-            raise ChildFailedError(
-                name=_entrypoint_name(entrypoint, args), failures=result.failures
-            )
-        return result.return_values
     except (SignalReceived, anyio.get_cancelled_exc_class()):
         # As torch: a node stopped from outside leaves the rendezvous open, so that the
         # job can go on with the other nodes (and a join may still be in flight).
         shutdown_rdzv = False
         raise
     finally:
-        if shutdown_rdzv and handler is not None:
-            await Rendezvous(handler, owned=True).aclose()
+        if handler is not None:
+            if shutdown_rdzv:
+                await Rendezvous(handler, owned=True).aclose()
+            # torch's handler sits in reference cycles, so the TCPStore it hosts (and its
+            # port) would outlive this launch until the cycle collector happens to run: a
+            # second launch of the same config would then join the old, closed rendezvous.
+            handler = None
+            gc.collect()
+    if result.is_failed():
+        # Raised here, not in _run_agent: a traceback through the agent's frames would
+        # keep the handler and its store alive for as long as the error is kept.
+        raise ChildFailedError(name=_entrypoint_name(entrypoint, args), failures=result.failures)
+    return result.return_values
+
+
+async def _run_agent(
+    config: LaunchConfig,
+    entrypoint: Callable[..., Any] | str,
+    args: list[Any],
+    handler: RendezvousHandler | None,
+    run_id: str,
+    master_addr: str | None,
+    master_port: int | None,
+    hub: EventHub | None,
+) -> RunResult:
+    spec = WorkerSpec(
+        role=config.role,
+        local_world_size=config.nproc_per_node,
+        entrypoint=entrypoint,
+        args=tuple(args),
+        rdzv_handler=handler,
+        max_restarts=config.max_restarts,
+        monitor_interval=config.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=config.local_addr,
+        virtual_local_rank=config.virtual_local_rank,
+        restart_backoff=config.restart_backoff,
+        no_retry_exit_codes=config.no_retry_exit_codes,
+    )
+    agent = LocalElasticAgent(
+        spec,
+        _event_hub=hub,
+        # Built once from the config; the agent reads it and parses nothing again.
+        _config=dataclasses.replace(config._agent_config(), run_id=run_id),
+    )
+    return await agent.run()

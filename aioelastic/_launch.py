@@ -24,6 +24,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from . import _values as values
 from ._errors import ChildFailedError
 from ._pcontext import start_processes
 from ._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
@@ -133,7 +134,7 @@ async def launch(
         args: passed as is to every worker.
         nprocs: how many workers, at least 1.
         master_addr: the rendezvous host for ``torch.distributed``.
-        master_port: the rendezvous port; None picks one with `free_port`.
+        master_port: the rendezvous port; None or 0 picks one with `free_port`.
         start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
         grace_period: seconds between SIGTERM and SIGKILL when stopping the workers.
 
@@ -149,21 +150,13 @@ async def launch(
     """
     if not callable(func):
         raise TypeError(f"func must be callable (called as func(args)), got {func!r}")
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    nprocs = values.field("nprocs", values.positive_int, nprocs)
     if not isinstance(master_addr, str) or not master_addr:
         raise ValueError(f"master_addr must be a non-empty host name, got {master_addr!r}")
-    if master_port is not None and (
-        isinstance(master_port, bool)
-        or not isinstance(master_port, int)
-        or not 0 < master_port < 65536
-    ):
-        raise ValueError(
-            f"master_port must be an int in 1..65535, or None to pick a free one; "
-            f"got {master_port!r}"
-        )
-    if master_port is None:
-        master_port = free_port()
+    if master_port is not None:
+        master_port = values.field("master_port", values.port, master_port)
+    # Port 0 asks for any free port, as everywhere else; workers need the actual number.
+    master_port = master_port or free_port()
     ctx = start_processes(
         name=getattr(func, "__name__", "launch"),
         entrypoint=func,

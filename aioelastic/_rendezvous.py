@@ -26,6 +26,7 @@ torch is imported here only, and only when a handler is created or used.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import socket
 import threading
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -52,7 +53,6 @@ __all__ = [
     "Rendezvous",
     "RendezvousOutcome",
     "create_rdzv_handler",
-    "parse_endpoint",
     "standalone_handler",
 ]
 
@@ -212,9 +212,28 @@ async def create_rdzv_handler(
             local_addr=local_addr,
             **config,
         )
-        return get_rendezvous_handler(params)
+        with _connection_errors_explained():
+            return get_rendezvous_handler(params)
 
     return await _on_daemon_thread(create, f"aioelastic-rdzv-create-{run_id}")
+
+
+@contextlib.contextmanager
+def _connection_errors_explained() -> Iterator[None]:
+    """torch's RendezvousConnectionError, with the reason in its message and as its cause.
+
+    torch says only "see inner exception for details", and the inner exception is lost
+    wherever the error is shown as one line (a log, the launcher's error line).
+    """
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    try:
+        yield
+    except RendezvousConnectionError as e:
+        inner = e.__cause__ or e.__context__
+        if inner is None or str(inner) in str(e):
+            raise
+        raise RendezvousConnectionError(f"{e} ({type(inner).__name__}: {inner})") from inner
 
 
 async def standalone_handler(
@@ -228,39 +247,6 @@ async def standalone_handler(
     return await create_rdzv_handler(
         "c10d", "localhost:0", run_id or str(uuid.uuid4()), 1, 1, local_addr=local_addr
     )
-
-
-def parse_endpoint(endpoint: str, default_port: int) -> tuple[str, int]:
-    """``host[:port]`` (an IPv6 address in brackets) with torch's rules, without torch.
-
-    Parsed here rather than by torch's ``parse_rendezvous_endpoint`` so that a single
-    static node never imports torch; the rules are the same: an empty host is
-    ``localhost``, a missing port is ``default_port``, a port is 0..65535.
-
-    Raises:
-        ValueError: for a port that is not an integer in 0..65535 or an unclosed bracket.
-    """
-    text = endpoint.strip()
-    if not text:
-        return "localhost", default_port
-    if text.startswith("["):
-        host, bracket, rest = text[1:].partition("]")
-        if not bracket or (rest and not rest.startswith(":")):
-            raise ValueError(f"rendezvous endpoint {endpoint!r} is not '[IPv6]:port'")
-        port_text = rest[1:]
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-        if not host or not port_text:
-            raise ValueError(f"rendezvous endpoint {endpoint!r} is not 'host:port'")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        return host or "localhost", default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(
-            f"the port of rendezvous endpoint {endpoint!r} must be an integer in 0..65535"
-        )
-    return host or "localhost", int(port_text)
 
 
 @dataclass(frozen=True)
@@ -461,7 +447,8 @@ class Rendezvous:
             from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
             try:
-                info = self.handler.next_rendezvous()
+                with _connection_errors_explained():
+                    info = self.handler.next_rendezvous()
             except RendezvousGracefulExitError as e:
                 logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
                 return None
@@ -499,7 +486,12 @@ class Rendezvous:
 
     async def num_nodes_waiting(self) -> int:
         """How many nodes wait to join (a scale-up, or a replacement for a lost node)."""
-        return await self._thread.call(self.handler.num_nodes_waiting)
+
+        def waiting() -> int:
+            with _connection_errors_explained():
+                return self.handler.num_nodes_waiting()
+
+        return await self._thread.call(waiting)
 
     async def exit_barrier(self, timeout: float) -> bool:
         """Wait until every node of the last round finished its workers (torch's barrier).

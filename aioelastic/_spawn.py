@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from . import _values as values
 from ._errors import ChildFailedError, ProcessFailure, _exit_description, _traceback_text
 from ._pcontext import run_processes
 
@@ -141,8 +142,7 @@ async def spawn(
             f"args must be a tuple or list (fn is called as fn(i, *args)), got {args!r}; "
             "for one argument write args=(value,)"
         )
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
-        raise ValueError(f"nprocs must be an int >= 1, got {nprocs!r}")
+    nprocs = values.field("nprocs", values.positive_int, nprocs)
     result = await run_processes(
         name=getattr(fn, "__name__", "spawn"),
         entrypoint=fn,

@@ -10,16 +10,16 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import string
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import _values as values
 from ._std import Std, to_map
+from ._values import PREFIX_FIELDS, START_METHODS
 
-START_METHODS = ("spawn", "fork", "forkserver")
-PREFIX_FIELDS = ("role_name", "rank", "local_rank", "hostname")
+__all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "LaunchSpec", "validate"]
 LOG_FILES = ("stdout.log", "stderr.log", "error.json")
 
 
@@ -68,15 +68,11 @@ def validate(
     log_line_prefix: str | None,
 ) -> LaunchSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
-    _check_name(name)
+    values.field("name", values.name, name)
     nprocs = _check_ranks(args, envs)
     clean_envs = {rank: _check_env(rank, envs[rank]) for rank in range(nprocs)}
     clean_args = {rank: _check_args(rank, args[rank]) for rank in range(nprocs)}
-    if start_method not in START_METHODS:
-        raise ValueError(
-            f"start_method={start_method!r} is not supported; use one of "
-            f"{', '.join(map(repr, START_METHODS))}"
-        )
+    values.field("start_method", values.start_method, start_method)
     if isinstance(entrypoint, str):
         resolved: Callable[..., Any] | str = _resolve_binary(entrypoint, clean_envs[0])
         clean_args = {r: tuple(map(str, a)) for r, a in clean_args.items()}
@@ -87,10 +83,7 @@ def validate(
             f"entrypoint must be a callable (function workers) or a str (a binary to run), "
             f"got {type(entrypoint).__name__}: {entrypoint!r}"
         )
-    if isinstance(grace_period, bool) or not isinstance(grace_period, (int, float)):
-        raise TypeError(f"grace_period must be a number of seconds, got {grace_period!r}")
-    if grace_period < 0:
-        raise ValueError(f"grace_period must be >= 0 seconds, got {grace_period}")
+    grace_period = values.field("grace_period", values.duration, grace_period)
     return LaunchSpec(
         name=name,
         entrypoint=resolved,
@@ -102,19 +95,11 @@ def validate(
         tee=to_map(tee, nprocs),
         grace_period=float(grace_period),
         forkserver_preload=_check_preload(forkserver_preload),
-        local_ranks_filter=_check_filter(local_ranks_filter, nprocs),
-        log_line_prefix=_check_prefix(log_line_prefix),
+        local_ranks_filter=values.field(
+            "local_ranks_filter", lambda v: values.rank_filter(v, nprocs), local_ranks_filter
+        ),
+        log_line_prefix=values.field("log_line_prefix", values.prefix_template, log_line_prefix),
     )
-
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty str, got {name!r}")
-    if "/" in name or "\0" in name or (os.altsep and os.altsep in name) or name in (".", ".."):
-        raise ValueError(
-            f"name={name!r} must not contain a path separator or be '.' or '..' "
-            "(it names log files); use a plain name such as 'trainer'"
-        )
 
 
 def _check_ranks(args: object, envs: object) -> int:
@@ -216,32 +201,3 @@ def _check_preload(preload: Collection[str]) -> tuple[str, ...]:
         if importlib.util.find_spec(top) is None:
             raise ValueError(f"forkserver_preload module {module!r} is not installed")
     return modules
-
-
-def _check_filter(ranks: Collection[int] | None, nprocs: int) -> frozenset[int] | None:
-    if ranks is None:
-        return None
-    chosen = frozenset(ranks)
-    bad = [
-        r for r in chosen if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < nprocs
-    ]
-    if bad:
-        raise ValueError(
-            f"local_ranks_filter has {sorted(bad, key=repr)}, not local ranks 0..{nprocs - 1}"
-        )
-    return chosen
-
-
-def _check_prefix(template: str | None) -> str | None:
-    if template is None:
-        return None
-    if not isinstance(template, str):
-        raise TypeError(f"log_line_prefix must be a str template, got {template!r}")
-    try:
-        string.Template(template).substitute({field: "" for field in PREFIX_FIELDS})
-    except (KeyError, ValueError) as exc:
-        raise ValueError(
-            f"log_line_prefix={template!r} is not a valid template ({exc!r}); it may use "
-            + ", ".join(f"${{{f}}}" for f in PREFIX_FIELDS)
-        ) from exc
-    return template

@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 
 import anyio
 
-from ._cli_args import LaunchPlan, parse_args, plan_from_args
+from ._cli_args import LaunchPlan, parse_args, plan_from_args, usage_error
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
 from ._std import Std
 from ._subreaper import enable_subreaper
@@ -66,9 +66,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         plan = plan_from_args(args)
-    except ValueError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 2
+        # Built here, before anything runs: a value the launch API refuses is a usage
+        # error of the command line too (exit 2), not a launcher failure.
+        config, entrypoint, script_args = launch_config(plan, None)
+    except (ValueError, TypeError) as e:
+        usage_error(str(e))
     _configure_logging()
     for warning in plan.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
@@ -76,7 +78,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # process group is re-parented to us instead of init, and swept at each teardown.
     enable_subreaper()
     try:
-        return anyio.run(_launch, plan)
+        return anyio.run(_launch, plan, config, entrypoint, script_args)
     except KeyboardInterrupt:
         # Ctrl-C before the agent handled signals (e.g. while connecting to the store):
         # no worker runs yet, so there is nothing to stop.
@@ -118,14 +120,14 @@ def _configure_logging() -> None:
         root.setLevel(logging.WARNING)
 
 
-async def _launch(plan: LaunchPlan) -> int:
+async def _launch(plan: LaunchPlan, config: Any, entrypoint: Any, args: tuple[str, ...]) -> int:
     from ._elastic_launch import elastic_launch
     from ._signals import SignalReceived
 
     job_dir, temporary = _job_log_dir(plan)
     try:
         try:
-            config, entrypoint, args = launch_config(plan, job_dir)
+            config.log_dir = job_dir
             await elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as error:
             print(error.format_msg(), file=sys.stderr, flush=True)
@@ -146,7 +148,7 @@ async def _launch(plan: LaunchPlan) -> int:
             shutil.rmtree(job_dir, ignore_errors=True)
 
 
-def launch_config(plan: LaunchPlan, log_dir: str) -> tuple[Any, Any, tuple[str, ...]]:
+def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tuple[str, ...]]:
     """The `LaunchConfig`, entrypoint and arguments that run ``plan``.
 
     Args:

@@ -499,7 +499,7 @@ async def test_misuse_is_refused_before_anything_starts(tmp_path: Path) -> None:
         spec(monitor_interval=0)
     with pytest.raises(TypeError, match="no_retry_exit_codes"):
         spec(no_retry_exit_codes=2)
-    with pytest.raises(ValueError, match="exit code 0"):
+    with pytest.raises(ValueError, match="0 is success"):
         spec(no_retry_exit_codes={0})
     with pytest.raises(TypeError, match="restart_backoff"):
         spec(restart_backoff=1.0)
@@ -563,6 +563,38 @@ async def test_elastic_launch_returns_by_global_rank_or_raises_child_failed(
     assert list(caught.value.failures) == [1]
     assert caught.value.failures[1].exitcode == 4
     assert caught.value.name == "fail_until"
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["c10d", "static"])
+async def test_the_same_config_launches_again_in_the_same_process(
+    out_dir: Path, backend: str
+) -> None:
+    # A fixed endpoint and run id: the second launch must find the port free and a fresh
+    # rendezvous, not the first launch's closed one (the same after a failed launch).
+    endpoint = f"127.0.0.1:{free_port()}"
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=2,
+        max_restarts=0,
+        run_id="again",
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"join_timeout": 30},
+        start_method=FUNCTION_START,
+    )
+    started = time.monotonic()
+    with pytest.raises(ChildFailedError):
+        await elastic_launch(config, children.fail_until)(str(out_dir), 99, 1, 4)
+    for _ in range(2):
+        outputs = await elastic_launch(config, children.report)(str(out_dir))
+        assert sorted(outputs) == [0, 1]
+    assert time.monotonic() - started < 90
+    host, port = endpoint.rsplit(":", 1)
+    with socket.socket() as s:  # nothing of the launches listens there any more
+        s.bind((host, int(port)))
 
 
 @pytest.mark.asyncio

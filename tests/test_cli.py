@@ -17,11 +17,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from aioelastic._std import Std
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")
@@ -221,9 +224,9 @@ def test_the_launcher_does_not_import_torch_for_a_single_node_run() -> None:
     ("argv", "fragment"),
     [
         (["--numa-binding", "node", SCRIPT], "--numa-binding='node' cannot be honoured"),
-        (["--nnodes", "0", SCRIPT], "--nnodes='0'"),
+        (["--nnodes", "0", SCRIPT], "argument --nnodes: '0' is not N or MIN:MAX"),
         (["--no-python", "-m", SCRIPT], "cannot be used together"),
-        (["--max-restarts", "x", SCRIPT], "invalid int value"),
+        (["--max-restarts", "x", SCRIPT], "'x' is not an integer"),
     ],
 )
 def test_usage_errors_exit_2_with_a_message(argv: list[str], fragment: str) -> None:
@@ -231,6 +234,143 @@ def test_usage_errors_exit_2_with_a_message(argv: list[str], fragment: str) -> N
     assert run.proc.returncode == 2, run.stderr
     assert fragment in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def _config(**kw: Any) -> None:
+    from aioelastic import LaunchConfig
+
+    LaunchConfig(**{"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, **kw})
+
+
+def _spec(**kw: Any) -> None:
+    from aioelastic import WorkerSpec
+
+    WorkerSpec(**{"local_world_size": 1, "entrypoint": "/bin/true", **kw})
+
+
+def _start(**kw: Any) -> None:
+    import aioelastic
+
+    aioelastic.start_processes(
+        **{"name": "w", "entrypoint": "/bin/true", "args": {0: ()}, "envs": {0: {}}, **kw}
+    )
+
+
+_LONG = "r" * 300
+_C10D = ["--rdzv-backend", "c10d", "--nnodes", "2"]
+
+# (command line before the script, extra environment, the API calls given the same value,
+# the message both must show). The CLI adds "argument --flag:" (or names the flag itself),
+# the API the argument's name.
+BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]] = [
+    (["--nproc-per-node", "0"], {}, [lambda: _config(nproc_per_node=0)], "0 is not >= 1"),
+    (["--nnodes", "2:1"], {}, [lambda: _config(min_nodes=2, max_nodes=1)],
+     "the fewest nodes (2) exceed the most (1)"),
+    (["--max-restarts", "-1"], {}, [lambda: _config(max_restarts=-1),
+                                    lambda: _spec(max_restarts=-1)], "-1 is not >= 0"),
+    (["--max-restarts", "x"], {}, [lambda: _config(max_restarts="x")], "'x' is not an integer"),
+    (["--monitor-interval", "0"], {}, [lambda: _config(monitor_interval=0),
+                                       lambda: _spec(monitor_interval=0)], "0 is not > 0 seconds"),
+    (["--shutdown-timeout", "-1"], {}, [lambda: _config(shutdown_timeout=-1),
+                                        lambda: _start(grace_period=-1)], "-1 is not >= 0 seconds"),
+    (["--shutdown-timeout", "nan"], {}, [lambda: _config(shutdown_timeout=float("nan"))],
+     "nan is not a finite number of seconds"),
+    ([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}, [_config],
+     "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon': 'soon' is not a number of seconds"),
+    (["--master-port", "70000"], {}, [lambda: _spec(master_port=70000)],
+     "70000 is not a port number 0..65535"),
+    (["--master-port", "x"], {}, [lambda: _spec(master_port="x")], "'x' is not a port number"),
+    ([], {"PET_MASTER_PORT": "x"}, [lambda: _spec(master_port="x")],
+     "'x' is not a port number 0..65535"),
+    ([], {"PET_SIGNALS_TO_HANDLE": "TERM"}, [lambda: _config(signals_to_handle="TERM")],
+     "'TERM' is not a signal name; write 'SIGTERM'"),
+    ([*_C10D, "--rdzv-endpoint", "[::1"], {}, [lambda: _config(rdzv_endpoint="[::1")],
+     "'[::1' has no valid host"),
+    ([*_C10D, "--rdzv-endpoint", "h:99999"], {}, [lambda: _config(rdzv_endpoint="h:99999")],
+     "'h:99999' has no valid port"),
+    (["--rdzv-conf", "join_timeout"], {}, [lambda: _config(rdzv_configs="join_timeout")],
+     "item 'join_timeout' is not KEY=VALUE"),
+    (["--signals-to-handle", "TERM"], {}, [lambda: _config(signals_to_handle="TERM")],
+     "'TERM' is not a signal name; write 'SIGTERM'"),
+    (["--signals-to-handle", "SIGTERM,SIGKILL"], {},
+     [lambda: _config(signals_to_handle="SIGTERM,SIGKILL")], "SIGKILL cannot be handled"),
+    (["--local-ranks-filter", "a"], {}, [lambda: _config(local_ranks_filter="a")],
+     "'a' is not a comma-separated list of local ranks"),
+    (["--nproc-per-node", "2", "--local-ranks-filter", "5"], {},
+     [lambda: _config(nproc_per_node=2, local_ranks_filter={5}),
+      lambda: _start(local_ranks_filter={5})], "names local rank 5, but there are local ranks"),
+    (["--tee", "5:1"], {}, [lambda: _config(tee={5: Std.OUT})],
+     "local rank 5 in {5: <Std.OUT: 1>} is out of range: local ranks are 0..0"),
+    (["--no-retry-exit-codes", "0"], {}, [lambda: _config(no_retry_exit_codes={0}),
+                                          lambda: _spec(no_retry_exit_codes={0})],
+     "0 is success, not a failing exit code"),
+    (["--no-retry-exit-codes", "300"], {}, [lambda: _config(no_retry_exit_codes={300})],
+     "300 is not an exit code (1..255, or -N for signal N)"),
+    (["--log-line-prefix-template", "${nope}"], {},
+     [lambda: _config(log_line_prefix_template="${nope}"),
+      lambda: _start(log_line_prefix="${nope}")], "'${nope}' is not a valid template"),
+    (["--role", "a\nb"], {}, [lambda: _config(role="a\nb"), lambda: _spec(role="a\nb"),
+                              lambda: _start(name="a\nb")], "contains a NUL, a line break"),
+    (["--role", _LONG], {}, [lambda: _config(role=_LONG), lambda: _start(name=_LONG)],
+     "is 300 bytes long; a file name allows 255"),
+    (["--role", "a/b"], {}, [lambda: _spec(role="a/b")], "must not contain a path separator"),
+    (["--start-method", "thread"], {}, [lambda: _config(start_method="thread"),
+                                        lambda: _start(start_method="thread")],
+     "'thread' is not one of 'spawn', 'fork', 'forkserver'"),
+]  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("argv", "env", "api", "message"), BAD_VALUES, ids=[row[3][:40] for row in BAD_VALUES]
+)
+def test_a_bad_value_reads_the_same_from_the_cli_and_the_api(
+    argv: list[str],
+    env: dict[str, str],
+    api: list[Callable[[], None]],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "aioelastic.run", *argv, SCRIPT],
+        cwd=REPO,
+        env=with_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - started < 60
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("usage: aioelastic-run"), run.stderr
+    error = run.stderr.splitlines()[-1]
+    assert error.startswith("aioelastic-run: error: "), run.stderr
+    named = [arg for arg in argv if arg.startswith("--")][-1:] or list(env)
+    assert named[0] in error
+    assert message in error
+    assert "Traceback" not in run.stderr
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for call in api:
+        with pytest.raises((ValueError, TypeError)) as info:
+            call()
+        assert message in str(info.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_garbage_rdzv_endpoint_is_refused_before_torch_is_imported() -> None:
+    run = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "aioelastic.run", *_C10D,
+         "--rdzv-endpoint", "no such host!:29400", SCRIPT],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert "argument --rdzv-endpoint/--rdzv_endpoint: 'no such host!:29400' has no valid host" in (
+        run.stderr
+    )
+    assert re.search(r"\|\s+aioelastic\._cli_args$", run.stderr, re.MULTILINE)
+    imported = [line for line in run.stderr.splitlines() if re.search(r"\|\s+torch$", line)]
+    assert imported == []
 
 
 # -- failures -------------------------------------------------------------------------------

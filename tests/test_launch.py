@@ -51,6 +51,15 @@ async def test_each_worker_gets_the_distributed_env_and_returns_by_rank() -> Non
 
 
 @pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_master_port_0_gives_the_workers_a_free_port() -> None:
+    values = await launch(children.launch_env, None, nprocs=2, master_port=0)
+    ports = {int(v["MASTER_PORT"]) for v in values}
+    assert len(ports) == 1
+    assert 0 < ports.pop() < 65536
+
+
+@pytest.mark.asyncio
 async def test_the_parent_environment_is_untouched_while_workers_run(tmp_path: Path) -> None:
     ready, go = tmp_path / "ready", tmp_path / "go"
     os.mkfifo(ready)
@@ -164,9 +173,9 @@ def test_free_port_is_bindable() -> None:
         ({"func": "not callable"}, TypeError, "func must be callable"),
         ({"nprocs": 0}, ValueError, "nprocs"),
         ({"master_addr": ""}, ValueError, "master_addr"),
-        ({"master_port": 0}, ValueError, "master_port"),
-        ({"master_port": 70000}, ValueError, "master_port"),
-        ({"master_port": "29500"}, ValueError, "master_port"),
+        ({"nprocs": True}, TypeError, "nprocs: True is a bool"),
+        ({"master_port": 70000}, ValueError, "master_port: 70000 is not a port number 0..65535"),
+        ({"master_port": "x"}, ValueError, "master_port: 'x' is not a port number"),
     ],
 )
 async def test_misuse_is_refused_before_anything_starts(

@@ -19,9 +19,9 @@ from aioelastic._rendezvous import (  # noqa: E402
     Rendezvous,
     RendezvousOutcome,
     create_rdzv_handler,
-    parse_endpoint,
     standalone_handler,
 )
+from aioelastic._values import endpoint as parse_endpoint  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -216,6 +216,25 @@ async def test_misuse_is_refused_before_anything_starts() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_an_unreachable_store_names_its_reason_and_keeps_it_as_the_cause() -> None:
+    from torch.distributed import DistNetworkError
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    port = free_port()  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(RendezvousConnectionError) as info:
+        await create_rdzv_handler(
+            "c10d", f"127.0.0.1:{port}", "job", 1, 2, is_host=False, read_timeout=1
+        )
+    assert time.monotonic() - started < 30
+    assert isinstance(info.value.__cause__, DistNetworkError)
+    assert str(info.value).startswith("The connection to the C10d store has failed.")
+    assert f"(DistNetworkError: {info.value.__cause__}" in str(info.value)
+    assert f"(127.0.0.1, {port})" in str(info.value)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_a_node_joining_a_later_round_gets_the_worker_store_of_rank_0() -> None:
     # torch 2.13 alone: the late node blocks in next_rendezvous until its store read times
     # out, because rank 0 publishes the worker store only in the first round it hosts.
@@ -311,7 +330,8 @@ async def test_one_node_without_an_agent_store_needs_no_rendezvous_at_all() -> N
 @pytest.mark.parametrize(
     "endpoint",
     ["node0:29400", "127.0.0.1:0", "localhost", "[::1]:29500", "[::1]", ":1234", "", "host:",
-     "host:x", "host:70000"],
+     "host:x", "host:70000", "[::1", "::1", "a b:1", "host:+80", "host:0080", "[h]:1:2",
+     "h:123456", " node0:1 "],
 )  # fmt: skip
 def test_endpoints_parse_as_torch_parses_them_without_importing_it(endpoint: str) -> None:
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint

@@ -84,7 +84,7 @@ async def test_grace_period_is_honoured_for_a_sigterm_ignoring_sibling(tmp_path:
         ({"args": 5}, TypeError, "args must be a tuple or list"),
         ({"args": "ab"}, TypeError, "args=\\(value,\\)"),
         ({"nprocs": 0}, ValueError, "nprocs"),
-        ({"nprocs": True}, ValueError, "nprocs"),
+        ({"nprocs": True}, TypeError, "nprocs: True is a bool, not an integer"),
     ],
 )
 async def test_misuse_is_refused_before_anything_starts(

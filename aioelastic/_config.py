@@ -1,0 +1,121 @@
+"""The agent's typed configuration: every per-node setting parsed once, then read as is.
+
+`AgentConfig.build` is the one place where the agent's settings are parsed (each by its
+parser in `._values`); `LocalElasticAgent` and `elastic_launch` both go through it, and the
+agent only reads the frozen result.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+
+from . import _values as values
+from ._std import Std, to_map
+
+__all__ = ["AgentConfig", "SIGNALS_ENV"]
+
+SIGNALS_ENV = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+"""torch's variable for the signals a run handles (read when none are given)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    """How one node's agent runs its workers; built by `build`, never changed.
+
+    Attributes:
+        start_method: ``spawn``, ``fork`` or ``forkserver`` for function workers.
+        log_dir: the log root given, or None for a fresh temporary one.
+        redirects: streams written to files, per local rank.
+        tee: streams also shown on the console, per local rank.
+        shutdown_timeout: seconds between the stop signal and SIGKILL.
+        exit_barrier_timeout: seconds a finished node waits for the others.
+        log_line_prefix_template: the console prefix template, or None for the default.
+        local_ranks_filter: local ranks shown on the console, None for all.
+        forkserver_preload: modules the fork server imports once.
+        signals: the signals that stop the run.
+        exported_signals: the signal list exported to workers as torchrun does, when it
+            was given (None: taken from the environment or the default, not exported).
+        run_id: the job id of the agent's own single-node rendezvous, None for a fresh one.
+    """
+
+    start_method: str
+    log_dir: Path | None
+    redirects: Mapping[int, Std]
+    tee: Mapping[int, Std]
+    shutdown_timeout: float
+    exit_barrier_timeout: float
+    log_line_prefix_template: str | None
+    local_ranks_filter: frozenset[int] | None
+    forkserver_preload: tuple[str, ...]
+    signals: tuple[signal.Signals, ...]
+    exported_signals: str | None
+    run_id: str | None
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        nprocs: int,
+        start_method: str = "spawn",
+        log_dir: str | os.PathLike[str] | None = None,
+        redirects: Std | Mapping[int, Std] = Std.NONE,
+        tee: Std | Mapping[int, Std] = Std.NONE,
+        shutdown_timeout: float = 30.0,
+        exit_barrier_timeout: float = 300.0,
+        log_line_prefix_template: str | None = None,
+        local_ranks_filter: Collection[int] | None = None,
+        forkserver_preload: Collection[str] = (),
+        signals_to_handle: str | None = None,
+        run_id: str | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> AgentConfig:
+        """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
+
+        Args:
+            nprocs: workers on this node (the per-rank settings are checked against it).
+            environ: where ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is read when
+                ``signals_to_handle`` is None (default ``os.environ``).
+
+        Raises:
+            ValueError, TypeError: a bad value, with the argument's name.
+        """
+        if isinstance(forkserver_preload, str):
+            raise TypeError(
+                f"forkserver_preload must be a collection of module names, got "
+                f"{forkserver_preload!r}; wrap one name in a tuple: ({forkserver_preload!r},)"
+            )
+        if run_id is not None and (not isinstance(run_id, str) or not run_id):
+            raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
+        signal_text = signals_to_handle
+        if signal_text is None:
+            env = os.environ if environ is None else environ
+            signal_text = env.get(SIGNALS_ENV, values.DEFAULT_SIGNALS_TO_HANDLE)
+        return cls(
+            start_method=values.field("start_method", values.start_method, start_method),
+            log_dir=None if log_dir is None else Path(log_dir),
+            redirects=MappingProxyType(
+                values.field("redirects", lambda v: to_map(v, nprocs), redirects)
+            ),
+            tee=MappingProxyType(values.field("tee", lambda v: to_map(v, nprocs), tee)),
+            shutdown_timeout=values.field("shutdown_timeout", values.duration, shutdown_timeout),
+            exit_barrier_timeout=values.field(
+                "exit_barrier_timeout", values.duration, exit_barrier_timeout
+            ),
+            log_line_prefix_template=values.field(
+                "log_line_prefix_template", values.prefix_template, log_line_prefix_template
+            ),
+            local_ranks_filter=values.field(
+                "local_ranks_filter",
+                lambda v: values.rank_filter(v, nprocs),
+                local_ranks_filter,
+            ),
+            forkserver_preload=tuple(forkserver_preload),
+            signals=values.field("signals_to_handle", values.signals, signal_text),
+            exported_signals=signals_to_handle,
+            run_id=run_id,
+        )

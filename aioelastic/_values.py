@@ -1,0 +1,417 @@
+"""One parser per configuration value, shared by the command line and the API.
+
+Each parser takes the value as either entry point gives it (the text of a flag or a
+``PET_*`` variable, or the typed argument of `LaunchConfig`, `WorkerSpec`,
+`start_processes`) and returns it typed, or raises ValueError/TypeError with a message that
+names the offending value and the fix but not the field: the caller adds the field, so the
+same bad value reads the same from ``aioelastic-run`` (``argument --master-port: <message>``,
+exit 2) and from the API (``ValueError("master_port: <message>")``). See `field` and
+`cli_type`.
+
+The semantics follow torch 2.13's ``torchrun`` where it has one; where torch accepts a value
+and then ignores it (a signal name it cannot resolve only logs a warning), we refuse it.
+No I/O and no torch in this module.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import string
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+__all__ = [
+    "DEFAULT_SHUTDOWN_TIMEOUT",
+    "DEFAULT_SIGNALS_TO_HANDLE",
+    "NAME_MAX",
+    "PREFIX_FIELDS",
+    "SHUTDOWN_TIMEOUT_ENV",
+    "START_METHODS",
+    "cli_type",
+    "duration",
+    "endpoint",
+    "exit_codes",
+    "field",
+    "name",
+    "nnodes",
+    "node_range",
+    "non_negative_int",
+    "port",
+    "positive_duration",
+    "positive_int",
+    "prefix_template",
+    "rank_filter",
+    "rdzv_conf",
+    "shutdown_timeout",
+    "signals",
+    "start_method",
+]
+
+_T = TypeVar("_T")
+
+START_METHODS = ("spawn", "fork", "forkserver")
+PREFIX_FIELDS = ("role_name", "rank", "local_rank", "hostname")
+DEFAULT_SIGNALS_TO_HANDLE = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""torch's fallback for the shutdown timeout when none is given."""
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+NAME_MAX = 255
+"""Longest file name (bytes) most filesystems allow: a name appears in log file names."""
+
+_UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+_HOST = re.compile(r"[\w.:-]+")
+_PORT = re.compile(r"[0-9]{1,5}")
+
+
+def field(name_: str, parse: Callable[[Any], _T], value: Any) -> _T:
+    """``parse(value)``, its error prefixed with the API field ``name_`` (same type).
+
+    Args:
+        name_: the argument's name as the API spells it (``"master_port"``).
+        parse: one of this module's parsers.
+        value: the value given.
+    """
+    try:
+        return parse(value)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{name_}: {e}") from None
+
+
+def cli_type(parse: Callable[[str], _T], metavar: str) -> Callable[[str], _T]:
+    """``parse`` as an argparse ``type``: its message shown as is, after the flag's name.
+
+    argparse turns a ValueError from ``type`` into a bare "invalid value"; an
+    ArgumentTypeError keeps our message, and argparse adds the usage line and exits 2.
+    """
+    import argparse  # only the command line needs it; the API path stays lighter
+
+    def convert(text: str) -> _T:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = metavar
+    return convert
+
+
+# -- numbers -------------------------------------------------------------------------
+
+
+def _integer(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not an integer")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            raise ValueError(f"{value!r} is not an integer") from None
+    raise TypeError(f"{value!r} is a {type(value).__name__}, not an integer")
+
+
+def positive_int(value: object) -> int:
+    """An integer >= 1 (counts: nodes, workers per node)."""
+    number = _integer(value)
+    if number < 1:
+        raise ValueError(f"{number} is not >= 1")
+    return number
+
+
+def non_negative_int(value: object) -> int:
+    """An integer >= 0 (restarts, a node rank)."""
+    number = _integer(value)
+    if number < 0:
+        raise ValueError(f"{number} is not >= 0")
+    return number
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{value!r} is a bool, not a number of seconds")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    elif isinstance(value, str):
+        try:
+            number = float(value.strip())
+        except ValueError:
+            raise ValueError(f"{value!r} is not a number of seconds (e.g. 30 or 0.5)") from None
+    else:
+        raise TypeError(f"{value!r} is a {type(value).__name__}, not a number of seconds")
+    # Numbers are shown parsed (not as given) so that "0" and 0 read the same.
+    if not math.isfinite(number):
+        raise ValueError(f"{number:g} is not a finite number of seconds")
+    return number
+
+
+def duration(value: object) -> float:
+    """Seconds, finite and >= 0 (timeouts, backoffs; 0 means at once)."""
+    number = _seconds(value)
+    if number < 0:
+        raise ValueError(f"{number:g} is not >= 0 seconds")
+    return number
+
+
+def positive_duration(value: object) -> float:
+    """Seconds, finite and > 0 (intervals)."""
+    number = _seconds(value)
+    if number <= 0:
+        raise ValueError(f"{number:g} is not > 0 seconds")
+    return number
+
+
+def shutdown_timeout(value: object, environ: Mapping[str, str] | None = None) -> float:
+    """The grace before SIGKILL: ``value``, else ``$TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30.
+
+    Raises:
+        ValueError: ``value`` (or the variable) is not a number of seconds >= 0; the
+            variable is named when it is at fault.
+    """
+    if value is not None:
+        return duration(value)
+    raw = (os.environ if environ is None else environ).get(SHUTDOWN_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    try:
+        return duration(raw)
+    except ValueError as e:
+        raise ValueError(f"{SHUTDOWN_TIMEOUT_ENV}={raw!r}: {e}; fix or unset it") from None
+
+
+# -- nodes and addresses --------------------------------------------------------------
+
+
+def nnodes(value: object) -> tuple[int, int]:
+    """torchrun's ``--nnodes``: ``"N"`` or ``"MIN:MAX"`` (or ints) to ``(min, max)``."""
+    text = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{value!r} is not N or MIN:MAX")
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise ValueError(f"{text!r} is not N or MIN:MAX with integers (e.g. 2 or 1:4)")
+    try:
+        low, high = positive_int(parts[0]), positive_int(parts[-1])
+    except ValueError:
+        raise ValueError(
+            f"{text!r} is not N or MIN:MAX with integers >= 1 (e.g. 2 or 1:4)"
+        ) from None
+    return node_range(low, high)
+
+
+def node_range(min_nodes: int, max_nodes: int) -> tuple[int, int]:
+    """``(min_nodes, max_nodes)`` once each is a count: the fewest must not exceed the most."""
+    if min_nodes > max_nodes:
+        raise ValueError(
+            f"the fewest nodes ({min_nodes}) exceed the most ({max_nodes}); e.g. 1:4 "
+            "for 1 to 4 nodes"
+        )
+    return min_nodes, max_nodes
+
+
+def port(value: object) -> int:
+    """A TCP port 0..65535; 0 asks for any free port (where this node listens)."""
+    if isinstance(value, str) and not _PORT.fullmatch(value.strip()):
+        raise ValueError(f"{value!r} is not a port number 0..65535")
+    number = _integer(value)
+    if not 0 <= number <= 65535:
+        raise ValueError(f"{number} is not a port number 0..65535")
+    return number
+
+
+def endpoint(value: object, default_port: int | None = None) -> tuple[str, int | None]:
+    """``HOST[:PORT]`` (IPv6 as ``[::1]:PORT``) to ``(host, port)``, torch's rules without torch.
+
+    torch's ``parse_rendezvous_endpoint``: an empty endpoint is ``localhost``, a missing
+    port is ``default_port``, the port is 1 to 5 digits below 65536, the host is made of
+    letters, digits, ``.``, ``:``, ``-`` and ``_`` (brackets only around a whole IPv6
+    address).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a str 'HOST:PORT'")
+    text = value.strip()
+    if not text:
+        return "localhost", default_port
+    if text[0] == "[" and text[-1] == "]":
+        host, rest = text, None
+    else:
+        host, _, rest = text.rpartition(":") if ":" in text else (text, "", None)
+    if len(host) > 1 and host[0] == "[" and host[-1] == "]":
+        host = host[1:-1]
+    result_port = default_port
+    if rest is not None:
+        if not _PORT.fullmatch(rest) or int(rest) > 65535:
+            raise ValueError(
+                f"{value!r} has no valid port: give HOST:PORT with a port 0..65535 "
+                "(an IPv6 address as [ADDR]:PORT)"
+            )
+        result_port = int(rest)
+    if not _HOST.fullmatch(host):
+        raise ValueError(
+            f"{value!r} has no valid host: give HOST:PORT with a host name, an IPv4 "
+            "address, or an IPv6 address in brackets ([::1]:29400)"
+        )
+    return host, result_port
+
+
+def rdzv_conf(value: object) -> dict[str, Any]:
+    """torchrun's ``--rdzv-conf``: ``KEY=VALUE,KEY=VALUE`` (or a mapping) to a dict."""
+    if isinstance(value, Mapping):
+        bad = [key for key in value if not isinstance(key, str) or not key]
+        if bad:
+            raise TypeError(f"option names must be non-empty str, got {bad[0]!r}")
+        return dict(value)
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not KEY=VALUE,... or a dict")
+    config: dict[str, Any] = {}
+    if not value.strip():
+        return config
+    for item in value.split(","):
+        key, sep, text = item.partition("=")
+        key, text = key.strip(), text.strip()
+        if not key or not sep or not text:
+            raise ValueError(
+                f"{value!r}: item {item!r} is not KEY=VALUE "
+                "(e.g. join_timeout=60,last_call_timeout=5)"
+            )
+        config[key] = text
+    return config
+
+
+# -- names ---------------------------------------------------------------------------
+
+
+def name(value: object) -> str:
+    """A role or group name: it prefixes console lines and names log files.
+
+    Refused: empty, a path separator, ``.``/``..``, a NUL or a line break (it would split
+    the console prefix), longer than a file name allows (255 bytes).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is a {type(value).__name__}, not a str")
+    if not value:
+        raise ValueError("'' is empty; use a plain name such as 'trainer'")
+    if "/" in value or (os.altsep and os.altsep in value) or value in (".", ".."):
+        raise ValueError(
+            f"{value!r} must not contain a path separator or be '.' or '..' (it names log "
+            "files); use a plain name such as 'trainer'"
+        )
+    if any(ch in value for ch in "\0\n\r") or not value.isprintable():
+        raise ValueError(
+            f"{value!r} contains a NUL, a line break or another control character (it "
+            "prefixes console lines); use a plain name such as 'trainer'"
+        )
+    size = len(value.encode("utf-8", "surrogateescape"))
+    if size > NAME_MAX:
+        raise ValueError(
+            f"{value[:20]!r}... is {size} bytes long; a file name allows {NAME_MAX}: use a "
+            "shorter name"
+        )
+    return value
+
+
+def start_method(value: object) -> str:
+    """``spawn``, ``fork`` or ``forkserver``."""
+    if value not in START_METHODS:
+        raise ValueError(f"{value!r} is not one of {', '.join(map(repr, START_METHODS))}")
+    assert isinstance(value, str)
+    return value
+
+
+def prefix_template(value: object) -> str | None:
+    """A console prefix ``string.Template`` over ``PREFIX_FIELDS``; ``None`` for the default."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a str template")
+    try:
+        string.Template(value).substitute(dict.fromkeys(PREFIX_FIELDS, ""))
+    except (KeyError, ValueError) as e:
+        fields = " ".join(f"${{{f}}}" for f in PREFIX_FIELDS)
+        raise ValueError(
+            f"{value!r} is not a valid template ({e!r}); it may use {fields}"
+        ) from None
+    return value
+
+
+# -- lists ---------------------------------------------------------------------------
+
+
+def _items(value: object, what: str, example: str) -> list[object]:
+    """The items of ``"a,b"`` text or of a collection; a lone int or str item is refused."""
+    if isinstance(value, str):
+        return [item.strip() for item in value.split(",") if item.strip()]
+    if isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping)):
+        return list(value)
+    raise TypeError(f"{value!r} is not a collection of {what}; e.g. {example}")
+
+
+def signals(value: object) -> tuple[signal.Signals, ...]:
+    """``"SIGTERM,SIGINT"`` to signals, torch's names (``SIGTERM``, not ``TERM`` or 15).
+
+    An empty string handles none. torch looks each name up with ``getattr(signal, name)``
+    and only logs a warning for one it cannot resolve; we refuse it instead.
+
+    Raises:
+        ValueError: not a signal name, or SIGKILL/SIGSTOP (which cannot be handled).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a str like {DEFAULT_SIGNALS_TO_HANDLE!r}")
+    found: list[signal.Signals] = []
+    for item in _items(value, "signal names", DEFAULT_SIGNALS_TO_HANDLE):
+        assert isinstance(item, str)
+        sig = getattr(signal, item, None) if item.startswith("SIG") else None
+        if not isinstance(sig, signal.Signals):
+            guess = getattr(signal, f"SIG{item.upper()}", None)
+            hint = f"write {guess.name!r}" if isinstance(guess, signal.Signals) else None
+            raise ValueError(
+                f"{value!r}: {item!r} is not a signal name; "
+                f"{hint or 'use names such as ' + repr(DEFAULT_SIGNALS_TO_HANDLE)}"
+            )
+        if sig in _UNCATCHABLE:
+            raise ValueError(f"{value!r}: {sig.name} cannot be handled; leave it out")
+        if sig not in found:
+            found.append(sig)
+    return tuple(found)
+
+
+def rank_filter(value: object, nprocs: int | None = None) -> frozenset[int] | None:
+    """Local ranks whose console output is shown: ``"0,2"`` or ``{0, 2}``; empty/None: all."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    ranks: set[int] = set()
+    for item in _items(value, "local ranks", "{0, 1}"):
+        try:
+            ranks.add(non_negative_int(item))
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{value!r} is not a comma-separated list of local ranks (e.g. 0,1)"
+            ) from None
+    if nprocs is not None:
+        bad = sorted(rank for rank in ranks if rank >= nprocs)
+        if bad:
+            raise ValueError(
+                f"{value!r} names local rank {bad[0]}, but there are local ranks 0..{nprocs - 1}"
+            )
+    return frozenset(ranks)
+
+
+def exit_codes(value: object) -> frozenset[int]:
+    """Exit codes ``"2,3"`` or ``{2, 3}``: 1..255, or ``-N`` for "killed by signal N"."""
+    codes: set[int] = set()
+    for item in _items(value, "exit codes", "{2, 3}"):
+        try:
+            code = _integer(item)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is not a comma-separated list of exit codes (e.g. 2,3)"
+            ) from None
+        if code == 0:
+            raise ValueError(f"{value!r}: 0 is success, not a failing exit code")
+        if not -signal.NSIG < code <= 255:
+            raise ValueError(f"{value!r}: {code} is not an exit code (1..255, or -N for signal N)")
+        codes.add(code)
+    return frozenset(codes)
