@@ -366,7 +366,8 @@ class _LoopSignals:
         entry = self._installed.get(sig)
         if entry is None:
             return
-        logger.info("received %s", _signal_name(sig))
+        if sig != signal.SIGWINCH:  # a window resize is no news (see _terminal)
+            logger.info("received %s", _signal_name(sig))
         for scope in list(entry.scopes):
             scope._deliver(sig)
 
