@@ -37,6 +37,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import stop_workers
+from ._terminal import open_worker_stdio
 from ._validate import LaunchSpec, validate
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -190,17 +191,21 @@ class PContext:
         rank_dir = self._log_root / str(rank)
         stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
         stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
-        out_r, out_w = os.pipe2(os.O_CLOEXEC)
-        err_r, err_w = os.pipe2(os.O_CLOEXEC)
+        stdio = open_worker_stdio(
+            stdout_plain=_plain(stdout), stderr_plain=_plain(stderr), single_worker=spec.nprocs == 1
+        )
+        out_r, out_w, err_r, err_w = stdio.stdout_r, stdio.stdout_w, stdio.stderr_r, stdio.stderr_w
         res_r, res_w = os.pipe2(os.O_CLOEXEC) if not spec.is_binary else (-1, -1)
-        child_ends = [fd for fd in (out_w, err_w, res_w) if fd >= 0]
-        parent_ends = [fd for fd in (out_r, err_r, res_r) if fd >= 0]
+        child_ends = [*stdio.child_ends(), *([res_w] if res_w >= 0 else [])]
+        parent_ends = [*stdio.parent_ends(), *([res_r] if res_r >= 0 else [])]
         try:
-            stdout_pump = StreamPump(out_r, **stdout)
-            stderr_pump = StreamPump(err_r, **stderr)
+            stdout_pump = StreamPump(out_r, **stdout, live_frames=stdio.live_stdout)
+            stderr_pump = StreamPump(err_r, **stderr, live_frames=stdio.live_stderr)
             stdout_pump.open_log()
             stderr_pump.open_log()
-            launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
+            launched = await self._launch(
+                rank, prepared, out_w, err_w, res_w, parent_ends, stdio.stdin
+            )
         except BaseException:
             for fd in parent_ends:
                 os.close(fd)
@@ -223,6 +228,8 @@ class PContext:
         self._tg.start_soon(self._monitor, worker)
         self._run_io(stdout_pump.run)
         self._run_io(stderr_pump.run)
+        if stdio.uses_terminal:
+            self._run_io(stdio.serve, launched.pid)
         if worker.result is not None:
             self._run_io(worker.result.run)
         if launched.payload_fd is not None:
@@ -237,13 +244,14 @@ class PContext:
         err_w: int,
         res_w: int,
         parent_ends: list[int],
+        stdin: int | None,
     ) -> _launchers.Launched:
         spec = self._spec
         payload, env = prepared.payload, prepared.env
         if spec.is_binary:
             argv = [str(spec.entrypoint), *spec.args[rank]]
             return await _launchers.on_launcher_thread(
-                _launchers.start_binary, argv, env, out_w, err_w
+                _launchers.start_binary, argv, env, out_w, err_w, stdin
             )
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
@@ -254,7 +262,7 @@ class PContext:
             )
         if spec.start_method == "spawn":
             return await _launchers.on_launcher_thread(
-                _launchers.start_spawn, env, out_w, err_w, res_w
+                _launchers.start_spawn, env, out_w, err_w, res_w, stdin
             )
         server = fork_server(spec.forkserver_preload)
         return await _launchers.on_launcher_thread(server.start_worker, out_w, err_w, res_w)
@@ -487,6 +495,11 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
+
+
+def _plain(pump: dict[str, Any]) -> bool:
+    """A stream that goes to the console unprefixed and nowhere else (see _terminal)."""
+    return pump["console"] is not None and not pump["prefix"] and pump["log_path"] is None
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:
