@@ -208,3 +208,22 @@ def test_the_failure_report_still_quotes_stderr_at_a_terminal(
     report = bytes(term.data)
     # Once as the worker wrote it to the terminal, once quoted in the report.
     assert report.count(b"about to fail") == 2, report
+
+
+def test_failure_and_restart_lines_at_the_default_level_in_colour(
+    terminal: type[Terminal],
+) -> None:
+    term = terminal(
+        ["--max-restarts", "1", "--nproc-per-node", "1",
+         str(REPO / "tests" / "children" / "cli.py"), "flaky", "--fail-times", "1", "--code", "5"]
+    )  # fmt: skip
+    assert term.finish() == 0, term.text()
+    term.wait_for(
+        rb"\x1b\[31m\[aioelastic-run\] ERROR:\x1b\[0m \[default\] failed \(exitcode: 5\) "
+        rb"local_rank: 0 \(global rank: 0, pid: \d+\)\r\n"
+    )
+    term.wait_for(
+        rb"\x1b\[33m\[aioelastic-run\] WARNING:\x1b\[0m \[default\] Worker group FAILED\. "
+        rb"1/1 attempts left; will restart worker group \(restart 1 of 1\)\r\n"
+    )
+    term.wait_for(rb"\[default\] run succeeded after 1 restart\(s\)")
