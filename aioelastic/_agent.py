@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._agent_env import worker_env
+from ._backend import require_asyncio
 from ._errors import ProcessFailure
 from ._events import (
     AgentEvent,
@@ -560,6 +561,7 @@ class LocalElasticAgent:
         """
         if self._started:
             raise RuntimeError("this agent already ran; make a new LocalElasticAgent")
+        require_asyncio("LocalElasticAgent.run()")
         self._started = True
         try:
             self._prepare_log_root()

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ._agent import DEFAULT_SIGNALS_TO_HANDLE, LocalElasticAgent, RestartBackoff, WorkerSpec
+from ._backend import require_asyncio
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
 from ._rendezvous import Rendezvous, create_rdzv_handler, parse_endpoint
@@ -228,6 +229,7 @@ async def launch_agent(
     _hub: EventHub | None = None,
 ) -> dict[int, Any]:
     """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
+    require_asyncio("elastic_launch")
     endpoint = config.rdzv_endpoint.strip()
     master_addr: str | None = None
     master_port: int | None = None

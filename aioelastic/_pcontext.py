@@ -28,6 +28,7 @@ import anyio
 import anyio.abc
 
 from . import _launchers
+from ._backend import require_asyncio
 from ._bootstrap import FunctionCall
 from ._console import console
 from ._errors import ProcessFailure
@@ -100,6 +101,7 @@ class PContext:
     # -- starting ---------------------------------------------------------------------
 
     async def __aenter__(self) -> PContext:
+        require_asyncio("start_processes()")
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True

@@ -48,6 +48,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from ._backend import require_asyncio
+
 __all__ = [
     "DEFAULT_SIGNALS",
     "SignalReceived",
@@ -261,6 +263,7 @@ async def handle_signals(
         RuntimeError: no asyncio loop is running in this thread.
     """
     wanted = _validate(signals)
+    require_asyncio("handle_signals()")
     loop = asyncio.get_running_loop()
     scope = SignalScope(wanted)
     registry = _registry_for(loop)
