@@ -227,3 +227,14 @@ def test_failure_and_restart_lines_at_the_default_level_in_colour(
         rb"1/1 attempts left; will restart worker group \(restart 1 of 1\)\r\n"
     )
     term.wait_for(rb"\[default\] run succeeded after 1 restart\(s\)")
+
+
+def test_breakpoint_in_a_single_worker_is_a_working_debugger(terminal: type[Terminal]) -> None:
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "pdb"])
+    term.wait_for(rb"\(Pdb\) ")
+    term.type(b"p 6 * 7\r")
+    term.wait_for(rb"\r\n42\r\n")
+    term.type(b"answer = 42\r")
+    term.type(b"c\r")
+    term.wait_for(rb"answer is 42")
+    assert term.finish() == 0, term.text()

@@ -50,6 +50,14 @@ def cmd_input(args: list[str]) -> None:
     print(f"then {rest!r} and end-of-file", flush=True)
 
 
+def cmd_pdb(args: list[str]) -> None:
+    """Stop in ``breakpoint()``; print what the debugger session left in ``answer``."""
+    del args
+    answer = 0
+    breakpoint()
+    print(f"answer is {answer}", flush=True)
+
+
 def cmd_winch(args: list[str]) -> None:
     """Print the window size on each SIGWINCH; exit after ``args[0]`` of them."""
     left = int(args[0])
