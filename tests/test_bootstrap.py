@@ -54,14 +54,16 @@ def test_a_script_without_a_main_guard_fails_once_per_worker_naming_the_fix(
         timeout=90,
     )
     out = done.stdout + done.stderr
-    # The parent and each of the two workers ran the module body once; no worker
-    # started workers of its own.
-    assert out.count("module body pid=") == 3, out
+    # The parent and each of the two workers ran the module body at most once (the first
+    # failure stops the other worker, perhaps before it got there); no worker started
+    # workers of its own.
+    assert 2 <= out.count("module body pid=") <= 3, out
     assert "parent got" in out, out
     expected = (
         "RuntimeError: start_processes() was called while a spawned worker was importing "
         f"{script} to find the function it runs: the script starts workers at module "
         "level. Put that code under 'if __name__ == \"__main__\":'"
     )
-    assert out.count(expected) >= 2, out
+    # At least the first failing worker's own traceback; the other may have been stopped.
+    assert expected in done.stderr, out
     assert "Can't get attribute" not in out
