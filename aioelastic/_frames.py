@@ -16,13 +16,17 @@ What happens to a held piece (bytes after the last ``\\n`` or redrawing ``\\r``)
   bare, which leaves the frame on the screen and in a file reads as a ``\\r\\n`` ending;
 * plain text (``print(end="")``) is printed as a line of its own, as before.
 
-``live_frames`` shows a frame as soon as it arrives (a terminal, where a bar should move
-at the worker's pace); otherwise a frame waits for the next ``\\r`` or the flush delay,
-so a file or pipe gets at most one copy of each frame, never one line per flush.
+:attr:`Live.FRAMES` shows a frame as soon as it arrives (a terminal, where a bar should
+move at the worker's pace); otherwise a frame waits for the next ``\\r`` or the flush
+delay, so a file or pipe gets at most one copy of each frame, never one line per flush.
+:attr:`Live.EVERYTHING` also shows plain partial text at once and as it is, without a
+newline of ours — a prompt (``input("name? ")``, ``(Pdb) ``) stays on its line. Only for a
+worker alone on its console: with several, its partial line could be spliced by another's.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import deque
 
@@ -38,6 +42,14 @@ _REDRAW = re.compile(rb"\r(?![\r\n])")
 _CR, _LF = 13, 10
 
 
+class Live(enum.IntEnum):
+    """What the console is shown before the flush delay (see the module docstring)."""
+
+    OFF = 0
+    FRAMES = 1
+    EVERYTHING = 2
+
+
 class Framer:
     """Whole lines and progress frames of one stream, for the console and a report.
 
@@ -45,15 +57,20 @@ class Framer:
         prefix: Put before every console line and after every redrawing ``\\r``.
         console: Whether console blocks are wanted (else :meth:`feed` returns ``b""``).
         keep_tail: Whether to keep the last :data:`TAIL_LINES` lines for a report.
-        live_frames: Show a frame as soon as it arrives, not at the next ``\\r``.
+        live: What is shown as soon as it arrives (:class:`Live`); the prefix must be
+            empty for :attr:`Live.EVERYTHING`.
     """
 
     def __init__(
-        self, prefix: bytes, *, console: bool, keep_tail: bool, live_frames: bool = False
+        self, prefix: bytes, *, console: bool, keep_tail: bool, live: Live = Live.OFF
     ) -> None:
+        if live is Live.EVERYTHING and prefix:
+            raise ValueError("Live.EVERYTHING shows text as written, which a prefix would cut")
         self._prefix = prefix
         self._console = console
-        self._live = live_frames
+        self._live = live
+        #: What is shown of ``_partial`` was shown raw (plain text), not as a frame.
+        self._shown_raw = False
         self._partial = bytearray()
         #: Bytes of ``_partial`` already on the console as a frame (closed by our ``\r``).
         self._shown = 0
@@ -82,6 +99,8 @@ class Framer:
                 return self._emit_plain()
             if self._live and self._is_frame():
                 return self._show_frame()
+            if self._live is Live.EVERYTHING:
+                return self._show_raw()
             return b""
         else:
             if self._partial:
@@ -93,6 +112,8 @@ class Framer:
         out = self._emit_block(block)
         if self._live and self._partial and self._is_frame():
             out += self._show_frame()
+        elif self._live is Live.EVERYTHING and self._partial:
+            out += self._show_raw()
         return out
 
     def flush(self) -> bytes:
@@ -101,6 +122,8 @@ class Framer:
             return b""
         if self._is_frame():
             return self._show_frame()
+        if self._live is Live.EVERYTHING:
+            return self._show_raw()
         return self._emit_plain()
 
     def end(self) -> bytes:
@@ -128,10 +151,13 @@ class Framer:
     def _emit_block(self, block: bytes) -> bytes:
         """Print ``block``, which ends at column 0 (a ``\\n`` or a redrawing ``\\r``)."""
         shown, self._shown = self._shown, 0
+        shown_raw, self._shown_raw = self._shown_raw, False
         self._keep_tail(block)
         self._redrawn = block[-1] == _CR
         if not self._console:
             return b""
+        if shown and shown_raw:
+            return block[shown:]  # the text so far is on the console as written
         if shown:
             rest = block[shown:]
             if rest[:1] in (b"\r", b"\n"):
@@ -144,11 +170,30 @@ class Framer:
             # Otherwise the frame grew: it is drawn again whole.
         return self._framed(block)
 
+    def _show_raw(self) -> bytes:
+        """Show the held plain text as it is, without ending its line (Live.EVERYTHING)."""
+        if self._shown and not self._shown_raw:
+            return b""  # a frame is up; it is redrawn when it changes
+        new = bytes(self._partial[self._shown :])
+        self._shown = len(self._partial)
+        self._shown_raw = True
+        return new if self._console else b""
+
     def _show_frame(self) -> bytes:
+        if self._shown_raw:
+            # Plain text shown raw turned into a frame (a \r arrived, not at the end):
+            # what follows is shown raw too; the terminal interprets the \r itself.
+            return self._show_raw_continuation()
         frame = bytes(self._partial)
         self._shown = len(frame)
         self._tail_frame = _last_drawn(frame) or self._tail_frame
         return self._framed(frame + b"\r") if self._console else b""
+
+    def _show_raw_continuation(self) -> bytes:
+        new = bytes(self._partial[self._shown :])
+        self._shown = len(self._partial)
+        self._tail_frame = _last_drawn(bytes(self._partial)) or self._tail_frame
+        return new if self._console else b""
 
     def _emit_plain(self) -> bytes:
         """Print the held bytes as a line of their own (plain text, or a huge line)."""

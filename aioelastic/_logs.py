@@ -31,7 +31,7 @@ from pathlib import Path
 import anyio
 
 from ._console import ConsoleStream
-from ._frames import Framer
+from ._frames import Framer, Live
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
 #: counted from its first byte: a bar that keeps growing is still shown this often.
@@ -50,7 +50,7 @@ class StreamPump:
         console: Where whole lines are printed, or ``None``.
         prefix: Put before every console line (and after every redrawing ``\\r``).
         keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
-        live_frames: Show a progress frame as soon as it arrives (a terminal console).
+        live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
     """
 
     def __init__(
@@ -61,16 +61,14 @@ class StreamPump:
         console: ConsoleStream | None,
         prefix: bytes,
         keep_tail: bool,
-        live_frames: bool = False,
+        live: Live = Live.OFF,
     ) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
         self._log_path = log_path
         self._log_fd: int | None = None
         self._console = console
-        self._framer = Framer(
-            prefix, console=console is not None, keep_tail=keep_tail, live_frames=live_frames
-        )
+        self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
         #: When the held partial line must be printed (``inf`` while none is held).
         self._flush_at = math.inf
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
@@ -94,8 +92,12 @@ class StreamPump:
             with anyio.CancelScope(deadline=self._flush_at) as idle:
                 await self._readable()
             if idle.cancelled_caught:
-                self._flush_at = math.inf
-                self._put(self._framer.flush())
+                # The rest of the line may be waiting in the pipe already (this task was
+                # late, the machine busy): take it before deciding the line is partial.
+                self.drain(_CHUNKS_PER_WAKEUP)
+                if anyio.current_time() >= self._flush_at:
+                    self._flush_at = math.inf
+                    self._put(self._framer.flush())
             else:
                 self.drain(_CHUNKS_PER_WAKEUP)
             if self._console is not None:

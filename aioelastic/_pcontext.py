@@ -201,8 +201,8 @@ class PContext:
         child_ends = [*stdio.child_ends(), *([res_w] if res_w >= 0 else [])]
         parent_ends = [*stdio.parent_ends(), *([res_r] if res_r >= 0 else [])]
         try:
-            stdout_pump = StreamPump(out_r, **stdout, live_frames=stdio.live_stdout)
-            stderr_pump = StreamPump(err_r, **stderr, live_frames=stdio.live_stderr)
+            stdout_pump = StreamPump(out_r, **stdout, live=stdio.live_stdout)
+            stderr_pump = StreamPump(err_r, **stderr, live=stdio.live_stderr)
             stdout_pump.open_log()
             stderr_pump.open_log()
             launched = await self._launch(

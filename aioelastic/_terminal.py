@@ -8,7 +8,8 @@ width and ``\\r`` bars. The supervisor still reads every byte from the pty's mas
 exactly as from a pipe (:class:`~._logs.StreamPump`), so what made the pipes worth having
 stays: lines of different ranks are never spliced into each other, nothing is lost, and
 the failure report still quotes the last stderr lines. Progress frames are passed on as
-soon as they arrive (``live_frames``), so a bar moves at the worker's pace.
+soon as they arrive (:class:`~._frames.Live`), so a bar moves at the worker's pace; a
+single worker's partial lines too, so a prompt stays on its line.
 
 Why not plain inheritance of the terminal (what torchrun does): N workers writing to one
 terminal cut each other's lines, and stderr would no longer pass through the supervisor,
@@ -38,6 +39,8 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from ._frames import Live
+
 #: End-of-file typed at the start of a line (VEOF), as the worker's pty expects it.
 _EOF = b"\x04"
 
@@ -52,7 +55,8 @@ class WorkerStdio:
         stderr_r: Same for stderr.
         stderr_w: Same for stderr.
         stdin: The worker's stdin, or ``None`` for ``/dev/null``.
-        live_stdout: stdout is a pty: pass progress frames on as they arrive.
+        live_stdout: What of stdout is passed on as soon as it arrives: frames at a pty,
+            and partial lines as well when the worker is alone.
         live_stderr: Same for stderr.
     """
 
@@ -61,8 +65,8 @@ class WorkerStdio:
     stderr_r: int
     stderr_w: int
     stdin: int | None = None
-    live_stdout: bool = False
-    live_stderr: bool = False
+    live_stdout: Live = Live.OFF
+    live_stderr: Live = Live.OFF
     #: Our own copies of the pty masters, for the window size and stdin (see serve).
     _masters: list[int] = field(default_factory=list)
     _forward_stdin_to: int | None = None
@@ -136,7 +140,15 @@ def open_worker_stdio(
     try:
         out = _open(stdout_plain and _isatty(1), opened)
         err = _open(stderr_plain and _isatty(2), opened)
-        stdio = WorkerStdio(out[0], out[1], err[0], err[1], live_stdout=out[2], live_stderr=err[2])
+        at_terminal = Live.EVERYTHING if single_worker else Live.FRAMES
+        stdio = WorkerStdio(
+            out[0],
+            out[1],
+            err[0],
+            err[1],
+            live_stdout=at_terminal if out[2] else Live.OFF,
+            live_stderr=at_terminal if err[2] else Live.OFF,
+        )
         for is_pty, master in ((out[2], out[0]), (err[2], err[0])):
             if is_pty:
                 stdio._masters.append(os.dup(master))
@@ -169,8 +181,26 @@ def _open(pty: bool, opened: list[int]) -> tuple[int, int, bool]:
     return master, slave, True
 
 
+_stdin_taken = False
+
+
 async def _forward_stdin(master: int) -> None:
-    """Copy what is typed on our terminal into the worker's pty, line by line."""
+    """Copy what is typed on our terminal into the worker's pty, line by line.
+
+    One forwarder at a time (two single-worker groups side by side in one program): the
+    later one leaves its worker's stdin without input rather than race for the lines.
+    """
+    global _stdin_taken
+    if _stdin_taken:
+        return
+    _stdin_taken = True
+    try:
+        await _forward_stdin_lines(master)
+    finally:
+        _stdin_taken = False
+
+
+async def _forward_stdin_lines(master: int) -> None:
     while True:
         await anyio.wait_readable(0)
         if not _in_foreground():

@@ -26,7 +26,7 @@ import anyio
 import pytest
 
 from aioelastic import ChildFailedError, Std, run_processes, start_processes
-from aioelastic._frames import Framer
+from aioelastic._frames import Framer, Live
 from aioelastic._logs import StreamPump
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line
@@ -811,13 +811,28 @@ def test_framer_cuts_lines_and_frames(
 
 
 def test_live_frames_are_shown_as_they_arrive() -> None:
-    framer = Framer(b"", console=True, keep_tail=True, live_frames=True)
+    framer = Framer(b"", console=True, keep_tail=True, live=Live.FRAMES)
     assert framer.feed(b"\r 10%|#") == b"\r 10%|#\r"
     assert not framer.holding
     assert framer.feed(b"#") == b" 10%|##\r"
     assert framer.feed(b"\r 20%|###") == b" 20%|###\r"
     assert framer.feed(b"\n") == b"\n"
     assert framer.tail_lines() == [b" 20%|###"]
+    assert framer.feed(b"name? ") == b""  # plain text: a line of its own, later
+    assert framer.flush() == b"name? \n"
+
+
+def test_alone_at_a_terminal_a_prompt_is_shown_at_once_on_its_line() -> None:
+    framer = Framer(b"", console=True, keep_tail=True, live=Live.EVERYTHING)
+    assert framer.feed(b"name? ") == b"name? "
+    assert framer.flush() == b""
+    assert framer.feed(b"Alice\nhello") == b"Alice\nhello"
+    assert framer.feed(b"\r 10%") == b"\r 10%\r"
+    assert framer.feed(b"\r 20%") == b" 20%\r"
+    assert framer.end() == b"\n"
+    assert framer.tail_lines() == [b"name? Alice", b" 20%"]
+    with pytest.raises(ValueError, match="prefix"):
+        Framer(b"[w0]:", console=True, keep_tail=False, live=Live.EVERYTHING)
 
 
 def test_a_thousand_frames_leave_one_line_in_the_tail() -> None:

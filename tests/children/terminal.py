@@ -75,12 +75,21 @@ def cmd_winch(args: list[str]) -> None:
 
 
 def cmd_lines(args: list[str]) -> None:
-    """Write ``args[0]`` numbered lines to stdout, 8 KiB-buffered (writes cut lines)."""
+    """Write ``args[0]`` numbered lines to stdout, 64 lines (about 5 KB) per ``write``.
+
+    Whole lines per write, so no line waits out the flush delay half-written while this
+    process is descheduled; the pty still cuts the writes where its buffer is full.
+    """
     rank = os.environ.get("RANK", "0")
-    out = open(1, "w", buffering=8192, closefd=False)  # noqa: SIM115
-    for i in range(int(args[0])):
-        out.write(f"rank {rank} line {i} " + "x" * (i % 61) + "\n")
-    out.flush()
+    count = int(args[0])
+    for start in range(0, count, 64):
+        block = "".join(
+            f"rank {rank} line {i} " + "x" * (i % 61) + "\n"
+            for i in range(start, min(start + 64, count))
+        ).encode()
+        view = memoryview(block)
+        while view:
+            view = view[os.write(1, view) :]
 
 
 def cmd_fail(args: list[str]) -> None:
