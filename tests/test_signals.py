@@ -368,26 +368,35 @@ def _sigint_ignored(status_line: str) -> bool:
 @pytest.mark.timeout(90)
 def test_a_background_job_launcher_is_stopped_by_sigint_with_its_workers() -> None:
     # A non-interactive bash (no job control) starts `cmd &` with SIGINT and SIGQUIT
-    # ignored. The first background job shows it in its own SigIgn; the second is the
-    # launcher, started the same way.
+    # ignored. The background job prints its own SigIgn, then becomes the launcher by
+    # exec (same process: the ignored dispositions carry over).
+    launch = (
+        f"exec {shlex.quote(sys.executable)} -m aioelastic.run --nproc-per-node 2 "
+        f"--shutdown-timeout 60 {shlex.quote(CLI_SCRIPT)} catch"
+    )
     shell = (
-        "grep ^SigIgn: /proc/self/status & wait $!\n"
-        f"{shlex.quote(sys.executable)} -m aioelastic.run --nproc-per-node 2 "
-        f"--shutdown-timeout 60 {shlex.quote(CLI_SCRIPT)} catch &\n"
+        f"sh -c {shlex.quote('grep ^SigIgn: /proc/$$/status; ' + launch)} &\n"
         "echo launcher=$!\n"
         "wait $!\n"
         "echo status=$?\n"
     )
     proc = subprocess.Popen(
-        ["bash", "-c", shell], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        ["bash", "-c", shell],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so that a failing test can stop the whole job
     )
     assert proc.stdout is not None
     launcher = 0
     try:
-        sig_ign = proc.stdout.readline()
-        assert sig_ign.startswith("SigIgn:"), sig_ign
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        # The two lines come from two processes: either order.
+        sig_ign, started_as = sorted([first, second])
+        assert sig_ign.startswith("SigIgn:"), (first, second)
         assert _sigint_ignored(sig_ign), sig_ign
-        launcher = int(proc.stdout.readline().strip().removeprefix("launcher="))
+        launcher = int(started_as.strip().removeprefix("launcher="))
         ready = [proc.stdout.readline() for _ in range(2)]
         assert all(line.startswith("ready rank=") for line in ready), ready
         workers = [int(line.split("pid=")[1]) for line in ready]
@@ -400,9 +409,9 @@ def test_a_background_job_launcher_is_stopped_by_sigint_with_its_workers() -> No
         took = time.monotonic() - started
     finally:
         if proc.poll() is None:
-            if launcher and is_running(launcher):
-                os.kill(launcher, signal.SIGKILL)  # its workers die with it (PDEATHSIG)
-            proc.kill()
+            # The launcher leads no group of its own: the job's group holds bash and it;
+            # the workers die with the launcher (PR_SET_PDEATHSIG).
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     # The workers got the SIGINT (they exit at once on it), well before the 60 s grace.
     assert sorted(line for line in rest.splitlines() if line.startswith("caught")) == [
