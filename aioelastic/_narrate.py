@@ -138,12 +138,14 @@ class Narrator:
             decision = f"Worker group FAILED. 0/{total} attempts left; giving up"
         elif event.reason is FailureReason.NO_RETRY_EXIT_CODE:
             decision = f"Worker group FAILED; not retried: {event.detail}"
-        elif event.reason is FailureReason.SIGNAL:
-            decision = f"stopped by {event.detail}" if event.detail else "stopped by a signal"
-        elif event.reason is FailureReason.CANCELLED:
-            decision = "cancelled"
         else:
-            decision = f"agent error: {event.detail}"
+            # Not a verdict on the workers: one line says what ended the run.
+            _, summary = self._summary(event, "")
+            if event.reason is FailureReason.SIGNAL:
+                return [(logging.WARNING, f"stopped by {event.detail or 'a signal'}{summary}")]
+            if event.reason is FailureReason.CANCELLED:
+                return [(logging.INFO, f"cancelled{summary}")]
+            return [(logging.ERROR, f"agent error: {event.detail}{summary}")]
         return [(logging.ERROR, decision), self._summary(event, "run failed")]
 
     def _summary(self, event: AgentEvent, outcome: str) -> tuple[int, str]:

@@ -120,7 +120,6 @@ def test_a_restart_story_in_lines() -> None:
             "exit code 3 is in no_retry_exit_codes",
             "Worker group FAILED; not retried: exit code 3 is in no_retry_exit_codes",
         ),
-        (FailureReason.SIGNAL, "SIGTERM", "stopped by SIGTERM"),
     ],
 )
 def test_the_decision_to_stop(reason: FailureReason, detail: str, decision: str) -> None:
@@ -129,6 +128,25 @@ def test_the_decision_to_stop(reason: FailureReason, detail: str, decision: str)
     assert lines[0] == (logging.ERROR, decision)
     assert lines[1][0] == logging.ERROR
     assert lines[1][1].startswith("run failed after 2 restart(s)")
+
+
+@pytest.mark.parametrize(
+    ("reason", "detail", "line"),
+    [
+        (FailureReason.SIGNAL, "SIGTERM", (logging.WARNING, "stopped by SIGTERM in 0.0 s")),
+        (FailureReason.CANCELLED, "", (logging.INFO, "cancelled in 0.0 s")),
+        (
+            FailureReason.ERROR,
+            "RendezvousTimeoutError: no peers",
+            (logging.ERROR, "agent error: RendezvousTimeoutError: no peers in 0.0 s"),
+        ),
+    ],
+)
+def test_a_run_ended_from_outside_is_one_line(
+    reason: FailureReason, detail: str, line: tuple[int, str]
+) -> None:
+    event = RunFailed(**_common(), reason=reason, detail=detail)
+    assert Narrator().lines(event) == [line]
 
 
 def test_debug_lists_fields_never_a_repr(caplog: pytest.LogCaptureFixture) -> None:
