@@ -47,6 +47,7 @@ import anyio
 
 from . import _values as values
 from ._agent_env import worker_env
+from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ProcessFailure
 from ._events import (
@@ -496,6 +497,7 @@ class LocalElasticAgent:
         """
         if self._started:
             raise RuntimeError("this agent already ran; make a new LocalElasticAgent")
+        require_asyncio("LocalElasticAgent.run()")
         self._started = True
         try:
             self._prepare_log_root()

@@ -14,6 +14,7 @@ through the result pipe. What differs is how the process got here:
 from __future__ import annotations
 
 import io
+import multiprocessing.process
 import multiprocessing.spawn
 import os
 import pickle
@@ -104,8 +105,16 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
     # Two pickles, each read by a fresh unpickler: one Unpickler's memo would carry over
     # into the second message and resolve its references to the first one's objects.
     # The preparation data re-imports the parent's __main__ as __mp_main__ first, so
-    # that the call's functions defined in the user's script can be unpickled.
-    multiprocessing.spawn.prepare(pickle.load(payload))
+    # that the call's functions defined in the user's script can be unpickled. Marked as
+    # multiprocessing marks it: a script without a __main__ guard that starts workers at
+    # module level then fails here once, naming the fix, instead of every worker
+    # starting workers of its own (see check_not_importing_main).
+    current = multiprocessing.process.current_process()
+    current._inheriting = True  # type: ignore[attr-defined]
+    try:
+        multiprocessing.spawn.prepare(pickle.load(payload))
+    finally:
+        del current._inheriting  # type: ignore[attr-defined]
     call: FunctionCall = pickle.load(payload)
     os.environ.clear()
     os.environ.update(call.env)
@@ -114,6 +123,27 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True)
     sys.exit(run_call(call, result_fd))
+
+
+def check_not_importing_main(what: str) -> None:
+    """Refuse to start workers from a spawned worker still importing its parent's ``__main__``.
+
+    Args:
+        what: The call being refused, for the message (``"start_processes()"``).
+
+    Raises:
+        RuntimeError: This process is a spawned worker (ours or ``multiprocessing``'s)
+            re-importing the main script, whose module level starts workers: without a
+            ``__main__`` guard every worker would start workers of its own.
+    """
+    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+        main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
+        raise RuntimeError(
+            f"{what} was called while a spawned worker was importing {main} to find the "
+            "function it runs: the script starts workers at module level. Put that code "
+            "under 'if __name__ == \"__main__\":' (as multiprocessing and "
+            "torch.multiprocessing.spawn require), or use start_method='fork'."
+        )
 
 
 def forked_worker(

@@ -32,6 +32,7 @@ from ._agent import (
     RunResult,
     WorkerSpec,
 )
+from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ChildFailedError
 from ._events import EventHub, EventStream
@@ -266,6 +267,7 @@ async def launch_agent(
     _hub: EventHub | None = None,
 ) -> dict[int, Any]:
     """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
+    require_asyncio("elastic_launch")
     endpoint = config.rdzv_endpoint.strip()
     master_addr: str | None = None
     master_port: int | None = None

@@ -274,8 +274,11 @@ class EventHub:
     """Fans an agent's events out to its subscribers; logs each one."""
 
     def __init__(self) -> None:
+        from ._narrate import Narrator  # it formats these events: imported once both exist
+
         self._subscribers: list[MemoryObjectSendStream[AgentEvent]] = []
         self._closed = False
+        self._narrate = Narrator()
 
     def subscribe(self) -> EventStream:
         send, receive = anyio.create_memory_object_stream[AgentEvent](math.inf)
@@ -286,7 +289,7 @@ class EventHub:
         return EventStream(receive)
 
     def emit(self, event: AgentEvent) -> None:
-        logger.info("%s", event)
+        self._narrate(event)
         for send in list(self._subscribers):
             try:
                 send.send_nowait(event)

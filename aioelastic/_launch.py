@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _values as values
+from ._backend import require_asyncio
 from ._errors import ChildFailedError
 from ._pcontext import start_processes
 from ._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
@@ -148,6 +149,7 @@ async def launch(
         ValueError: a bad ``nprocs``, ``master_addr``, ``master_port``, ``start_method``
             or ``grace_period``.
     """
+    require_asyncio("launch()")
     if not callable(func):
         raise TypeError(f"func must be callable (called as func(args)), got {func!r}")
     nprocs = values.field("nprocs", values.positive_int, nprocs)

@@ -124,7 +124,11 @@ def _binary_preexec(parent_pid: int) -> Callable[[], None]:
 
 
 def start_binary(
-    argv: Sequence[str], env: dict[str, str], stdout_fd: int | None, stderr_fd: int
+    argv: Sequence[str],
+    env: dict[str, str],
+    stdout_fd: int | None,
+    stderr_fd: int,
+    stdin_fd: int | None = None,
 ) -> Launched:
     """Start ``argv`` (no shell) in a new process group with a parent-death signal."""
     with _subreaper.creation_guard():
@@ -132,7 +136,7 @@ def start_binary(
             subprocess.Popen(
                 list(argv),
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                 stdout=stdout_fd,
                 stderr=stderr_fd,
                 close_fds=True,
@@ -163,6 +167,7 @@ def start_python(
     stdout_fd: int | None,
     stderr_fd: int | None,
     pass_fds: Sequence[int],
+    stdin_fd: int | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter running ``code``, in its own process group.
 
@@ -174,7 +179,7 @@ def start_python(
             subprocess.Popen(
                 python_command(code),
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
                 stdout=stdout_fd,
                 stderr=stderr_fd,
                 pass_fds=tuple(pass_fds),
@@ -198,7 +203,11 @@ def preparation_data(name: str) -> dict[str, object]:
 
 
 def start_spawn(
-    env: dict[str, str], stdout_fd: int | None, stderr_fd: int, result_fd: int
+    env: dict[str, str],
+    stdout_fd: int | None,
+    stderr_fd: int,
+    result_fd: int,
+    stdin_fd: int | None = None,
 ) -> Launched:
     """Start a spawned function worker; the caller writes the call to ``payload_fd``."""
     payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
@@ -212,6 +221,7 @@ def start_spawn(
             stdout_fd,
             stderr_fd,
             pass_fds=(payload_r, result_fd),
+            stdin_fd=stdin_fd,
         )
     except BaseException:
         os.close(payload_w)

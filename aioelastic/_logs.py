@@ -6,10 +6,14 @@ polling period), and on each wake-up:
 
 * appends the raw bytes to the log file, if the stream is redirected — every byte, in
   order, undecoded;
-* cuts the bytes into whole lines for the console (prefixed when tee'd), holding back a
-  partial line until its newline, the end of the stream, or :data:`FLUSH_DELAY` after
-  its first byte arrived;
+* cuts the bytes into whole lines and progress frames for the console (prefixed when
+  tee'd) with a :class:`~._frames.Framer`, holding back a partial line until its newline,
+  its redrawing ``\r``, the end of the stream, or :data:`FLUSH_DELAY` after its first
+  byte arrived;
 * keeps the last lines of stderr for the failure report.
+
+The read end may be a pipe or the master side of a pseudo-terminal (:mod:`._terminal`),
+which reports the end of the stream as ``EIO`` rather than end-of-file.
 
 Log files are written with plain ``os.write`` from the event loop: an append to a local
 file lands in the page cache in microseconds, less than handing each chunk to a thread
@@ -19,30 +23,22 @@ file lands in the page cache in microseconds, less than handing each chunk to a 
 from __future__ import annotations
 
 import asyncio
+import errno
 import math
 import os
-import re
-from collections import deque
 from pathlib import Path
 
 import anyio
 
 from ._console import ConsoleStream
+from ._frames import Framer, Live
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
 #: counted from its first byte: a bar that keeps growing is still shown this often.
 FLUSH_DELAY = 0.25
-#: A line longer than this is passed on in pieces rather than held in memory.
-MAX_HELD_LINE = 8 * 1024 * 1024
-#: How many stderr lines a failure report quotes.
-TAIL_LINES = 50
-#: A longer stderr line is kept for the report as its head and end only.
-TAIL_LINE_BYTES = 8 * 1024
 
 _CHUNK = 1 << 16
 _CHUNKS_PER_WAKEUP = 64
-# A carriage return that redraws a line (a progress bar), not the one of a CRLF ending.
-_REDRAW = re.compile(rb"\r(?![\r\n])")
 
 
 class StreamPump:
@@ -53,7 +49,8 @@ class StreamPump:
         log_path: The log file to append every byte to, or ``None``.
         console: Where whole lines are printed, or ``None``.
         prefix: Put before every console line (and after every redrawing ``\\r``).
-        keep_tail: Whether to keep the last :data:`TAIL_LINES` lines for a report.
+        keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
+        live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
     """
 
     def __init__(
@@ -64,6 +61,7 @@ class StreamPump:
         console: ConsoleStream | None,
         prefix: bytes,
         keep_tail: bool,
+        live: Live = Live.OFF,
     ) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
@@ -73,11 +71,9 @@ class StreamPump:
         self._log_written = 0
         self._log_error: OSError | None = None
         self._console = console
-        self._prefix = prefix
-        self._partial = bytearray()
+        self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
         #: When the held partial line must be printed (``inf`` while none is held).
         self._flush_at = math.inf
-        self.tail: deque[bytes] | None = deque(maxlen=TAIL_LINES) if keep_tail else None
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
@@ -103,7 +99,12 @@ class StreamPump:
             with anyio.CancelScope(deadline=self._flush_at) as idle:
                 await self._readable()
             if idle.cancelled_caught:
-                self._emit_partial()
+                # The rest of the line may be waiting in the pipe already (this task was
+                # late, the machine busy): take it before deciding the line is partial.
+                self.drain(_CHUNKS_PER_WAKEUP)
+                if anyio.current_time() >= self._flush_at:
+                    self._flush_at = math.inf
+                    self._put(self._framer.flush())
             else:
                 self.drain(_CHUNKS_PER_WAKEUP)
             if self._console is not None:
@@ -142,6 +143,11 @@ class StreamPump:
                 chunk = os.read(self._fd, _CHUNK)
             except BlockingIOError:
                 return
+            except OSError as exc:
+                # A pseudo-terminal's master reads EIO once every slave side is closed.
+                if exc.errno != errno.EIO:
+                    raise
+                chunk = b""
             count += 1
             if not chunk:
                 self.finish()
@@ -150,7 +156,8 @@ class StreamPump:
 
     def finish(self) -> None:
         """Flush the held partial line and close the pipe and the log file (idempotent)."""
-        self._emit_partial()
+        self._flush_at = math.inf
+        self._put(self._framer.end())
         if self._fd is not None:
             if self._waiter is not None:
                 # The pump task is asleep on this pipe: unregister while the number
@@ -191,84 +198,27 @@ class StreamPump:
     def tail_lines(self) -> list[str]:
         """The last stderr lines (with a held partial line), decoded for a report.
 
-        A line redrawn with carriage returns (a progress bar) is reported as it was last
-        drawn.
+        A line redrawn with carriage returns (a progress bar) is reported once, as it was
+        last drawn.
         """
-        if self.tail is None:
-            return []
-        lines = list(self.tail)
-        if self._partial:
-            lines.append(_tail_entry(bytes(self._partial)))
-        return [_last_drawn(line).decode("utf-8", "replace") for line in lines[-TAIL_LINES:]]
+        return [line.decode("utf-8", "replace") for line in self._framer.tail_lines()]
 
     def _consume(self, chunk: bytes) -> None:
         if self._log_fd is not None:
             self._append_to_log(chunk)
-        if self._console is None and self.tail is None:
+        if self._console is None and self._framer.tail is None:
             return
-        end = chunk.rfind(b"\n") + 1
-        if end == 0:
-            if not self._partial:
-                self._flush_at = anyio.current_time() + FLUSH_DELAY
-            # bytearray appends are amortised O(1): a 1 MB line arriving in 64 KiB
-            # chunks is copied once, not once per chunk.
-            self._partial += chunk
-            if len(self._partial) > MAX_HELD_LINE:
-                self._emit_partial()
-            return
-        if self._partial:
-            self._partial += chunk[:end]
-            data = bytes(self._partial)
-            self._partial.clear()
-        else:
-            data = chunk[:end] if end < len(chunk) else chunk
-        lines = data[:-1].split(b"\n")
-        if end < len(chunk):
-            self._partial += chunk[end:]
-            self._flush_at = anyio.current_time() + FLUSH_DELAY
-        else:
+        self._put(self._framer.feed(chunk))
+        if not self._framer.holding:
             self._flush_at = math.inf
-        if self.tail is not None:
-            self.tail.extend(_tail_entry(line) for line in lines[-TAIL_LINES:])
-        if self._console is not None:
-            self._console.put(self._framed(lines))
+        elif self._flush_at == math.inf:
+            self._flush_at = anyio.current_time() + FLUSH_DELAY
 
-    def _framed(self, lines: list[bytes]) -> bytes:
-        if not self._prefix:
-            return b"\n".join(lines) + b"\n"
-        prefix = self._prefix
-        block = b"".join([prefix + line + b"\n" for line in lines])
-        if b"\r" in block:
-            # A progress bar returns to column 0 and would draw over the prefix.
-            block = _REDRAW.sub(lambda _: b"\r" + prefix, block)
-        return block
-
-    def _emit_partial(self) -> None:
-        self._flush_at = math.inf
-        if not self._partial:
-            return
-        line = bytes(self._partial)
-        self._partial.clear()
-        if self.tail is not None:
-            self.tail.append(_tail_entry(line))
-        if self._console is not None:
-            self._console.put(self._framed([line]))
+    def _put(self, data: bytes) -> None:
+        if data and self._console is not None:
+            self._console.put(data)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
-
-
-def _tail_entry(line: bytes) -> bytes:
-    """What the report keeps of a stderr line: all of it unless it is huge."""
-    if len(line) <= TAIL_LINE_BYTES:
-        return line
-    half = TAIL_LINE_BYTES // 2
-    cut = len(line) - 2 * half
-    return line[:half] + b" [... %d bytes cut ...] " % cut + line[-half:]
-
-
-def _last_drawn(line: bytes) -> bytes:
-    body = line.rstrip(b"\r")
-    return body[body.rfind(b"\r") + 1 :]

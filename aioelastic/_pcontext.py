@@ -33,6 +33,7 @@ import anyio.abc
 import anyio.to_thread
 
 from . import _launchers, _platform
+from ._backend import require_asyncio
 from ._bootstrap import FunctionCall
 from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
@@ -42,6 +43,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
+from ._terminal import open_worker_stdio
 from ._validate import LaunchSpec, validate
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -125,6 +127,7 @@ class PContext:
     # -- starting ---------------------------------------------------------------------
 
     async def __aenter__(self) -> PContext:
+        require_asyncio("start_processes()")
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
@@ -225,24 +228,30 @@ class PContext:
         child_ends: list[int] = []
         parent_ends: list[int] = []
         pumps: list[StreamPump] = []
-
-        def pipe() -> tuple[int, int]:
-            r, w = os.pipe2(os.O_CLOEXEC)
-            parent_ends.append(r)
-            child_ends.append(w)
-            return r, w
-
         try:
-            out_r, out_w = pipe()
-            err_r, err_w = pipe()
-            res_r, res_w = pipe() if not spec.is_binary else (-1, -1)
-            stdout_pump = StreamPump(out_r, **stdout)
+            stdio = open_worker_stdio(
+                stdout_plain=_plain(stdout),
+                stderr_plain=_plain(stderr),
+                single_worker=spec.nprocs == 1,
+            )
+            child_ends += stdio.child_ends()
+            parent_ends += stdio.parent_ends()
+            out_r, out_w = stdio.stdout_r, stdio.stdout_w
+            err_r, err_w = stdio.stderr_r, stdio.stderr_w
+            res_r, res_w = -1, -1
+            if not spec.is_binary:
+                res_r, res_w = os.pipe2(os.O_CLOEXEC)
+                parent_ends.append(res_r)
+                child_ends.append(res_w)
+            stdout_pump = StreamPump(out_r, **stdout, live=stdio.live_stdout)
             pumps.append(stdout_pump)
-            stderr_pump = StreamPump(err_r, **stderr)
+            stderr_pump = StreamPump(err_r, **stderr, live=stdio.live_stderr)
             pumps.append(stderr_pump)
             stdout_pump.open_log()
             stderr_pump.open_log()
-            launched = await self._launch(rank, prepared, out_w, err_w, res_w, parent_ends)
+            launched = await self._launch(
+                rank, prepared, out_w, err_w, res_w, parent_ends, stdio.stdin
+            )
         except BaseException:
             _close_parent_ends(pumps, parent_ends)
             raise
@@ -274,6 +283,8 @@ class PContext:
         self._tg.start_soon(self._monitor, worker)
         self._run_io(stdout_pump.run)
         self._run_io(stderr_pump.run)
+        if stdio.uses_terminal:
+            self._run_io(stdio.serve, launched.pid)
         if worker.result is not None:
             self._run_io(worker.result.run)
         if launched.payload_fd is not None:
@@ -288,13 +299,14 @@ class PContext:
         err_w: int,
         res_w: int,
         parent_ends: list[int],
+        stdin: int | None,
     ) -> _launchers.Launched:
         spec = self._spec
         payload, env = prepared.payload, prepared.env
         if spec.is_binary:
             argv = [str(spec.entrypoint), *spec.args[rank]]
             return await _launchers.on_launcher_thread(
-                _launchers.start_binary, argv, env, out_w, err_w
+                _launchers.start_binary, argv, env, out_w, err_w, stdin
             )
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
@@ -305,7 +317,7 @@ class PContext:
             )
         if spec.start_method == "spawn":
             return await _launchers.on_launcher_thread(
-                _launchers.start_spawn, env, out_w, err_w, res_w
+                _launchers.start_spawn, env, out_w, err_w, res_w, stdin
             )
         return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w)
 
@@ -719,6 +731,11 @@ def _raise_start_error(exc: BaseException, what: str) -> NoReturn:
         f"cannot start {what}: {os.strerror(exc.errno)}{reason}; "
         f"raise the limit with `{command}` (now {now}) or start fewer workers",
     ) from exc
+
+
+def _plain(pump: dict[str, Any]) -> bool:
+    """A stream that goes to the console unprefixed and nowhere else (see _terminal)."""
+    return pump["console"] is not None and not pump["prefix"] and pump["log_path"] is None
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:

@@ -25,8 +25,13 @@ die with the supervising process (``PR_SET_PDEATHSIG``), and a supervisor cancel
 the host reacted to the signal still stops its workers, since teardown runs on
 cancellation.
 
-A signal that is ignored (``SIG_IGN``) when the block is entered stays ignored, as the
-shell's convention for background jobs asks (``cmd &`` starts with SIGINT ignored).
+A signal that is ignored (``SIG_IGN``) when the block is entered is handled all the same,
+as torch's launchers install their handlers regardless: a shell without job control starts
+``cmd &`` with SIGINT and SIGQUIT ignored, and ``kill -INT`` must still stop that
+supervisor and its workers — which, being started while our handler is in place, no
+longer inherit the ignored disposition either. The one exception is SIGHUP: ignored, it
+is what ``nohup`` asked for, so it stays ignored. On leaving the block ``SIG_IGN`` is put
+back like any other previous handler.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
+
+from ._backend import require_asyncio
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -90,7 +97,7 @@ class SignalScope:
     Attributes:
         signals: the signals this scope listens for.
         installed: the subset for which a handler is active; empty when none could be
-            installed (off the main thread) or every one was ignored.
+            installed (off the main thread); an ignored SIGHUP (``nohup``) is left out.
     """
 
     def __init__(self, signals: frozenset[signal.Signals]) -> None:
@@ -256,6 +263,7 @@ async def handle_signals(
         RuntimeError: no asyncio loop is running in this thread.
     """
     wanted = _validate(signals)
+    require_asyncio("handle_signals()")
     loop = asyncio.get_running_loop()
     scope = SignalScope(wanted)
     registry = _registry_for(loop)
@@ -310,8 +318,8 @@ class _LoopSignals:
             for sig in sorted(scope.signals):
                 if sig not in self._installed:
                     previous = signal.getsignal(sig)
-                    if previous is signal.SIG_IGN:
-                        continue
+                    if previous is signal.SIG_IGN and sig == signal.SIGHUP:
+                        continue  # nohup's request, unlike a background job's SIGINT
                     loop_handle = _loop_handle(self._loop, sig)
                     self._loop.add_signal_handler(sig, self._dispatch, sig)
                     self._installed[sig] = _Installed(previous, loop_handle)
@@ -361,7 +369,8 @@ class _LoopSignals:
         entry = self._installed.get(sig)
         if entry is None:
             return
-        logger.info("received %s", _signal_name(sig))
+        if sig != signal.SIGWINCH:  # a window resize is no news (see _terminal)
+            logger.info("received %s", _signal_name(sig))
         for scope in list(entry.scopes):
             scope._deliver(sig)
 

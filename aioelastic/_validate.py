@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from . import _values as values
+from ._bootstrap import check_not_importing_main
 from ._std import Std, to_map
 from ._values import PREFIX_FIELDS, START_METHODS
 
@@ -68,6 +69,7 @@ def validate(
     log_line_prefix: str | None,
 ) -> LaunchSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
+    check_not_importing_main("start_processes()")
     values.field("name", values.name, name)
     nprocs = _check_ranks(args, envs)
     clean_envs = {rank: _check_env(rank, envs[rank]) for rank in range(nprocs)}

@@ -37,6 +37,7 @@ import anyio
 
 from ._cli_args import LaunchPlan, parse_args, plan_from_args, usage_error
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
+from ._narrate import LauncherFormatter
 from ._std import Std
 from ._subreaper import enable_subreaper
 
@@ -112,7 +113,7 @@ def _configure_logging() -> None:
     root = logging.getLogger("aioelastic")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"[{PROG}] %(levelname)s: %(message)s"))
+        handler.setFormatter(LauncherFormatter(PROG, sys.stderr))
         root.addHandler(handler)
     try:
         root.setLevel(level)

@@ -26,6 +26,7 @@ import anyio
 import pytest
 
 from aioelastic import ChildFailedError, Std, run_processes, start_processes
+from aioelastic._frames import Framer, Live
 from aioelastic._logs import StreamPump
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line
@@ -219,14 +220,76 @@ def test_progress_bar_without_newline_is_printed_whole_at_exit(
     stdout, _, summary = sup.finish()
     assert summary["failures"] == {}
     written = "".join(f"\rprogress {p:3d}%" for p in range(0, 101, 25)) + " [no newline at exit]"
-    for rank, lines in by_rank(stdout, 2).items():
-        prefix = f"[w{rank}]:".encode()
-        # However the flush delay cut it, the pieces are whole prefixed lines and the
-        # redrawing carriage returns re-print the prefix, so the bar never overwrites it.
-        assert b"".join(lines).replace(b"\r" + prefix, b"\r") == written.encode()
-        assert all(line.count(b"\r") == line.count(b"\r" + prefix) for line in lines)
+    # Every piece on the console is a prefixed frame ending in \r or a line ending in
+    # \n, so the two bars never splice; the redrawing carriage returns re-print the
+    # prefix, so a bar never overwrites it; the bar is not one line per frame.
+    matches = list(re.finditer(rb"\r?\[w(\d+)\]:([^\r\n]*[\r\n])", stdout))
+    assert b"".join(m.group(0) for m in matches) == stdout
+    for rank in range(2):
+        mine = b"".join(m.group(2) for m in matches if int(m.group(1)) == rank)
+        assert mine == written.encode()[1:] + b"\n"
         log = tmp_path / "logs" / str(rank) / "stdout.log"
         assert log.read_bytes() == written.encode()
+    assert stdout.count(b"\n") == 2
+
+
+def test_a_slow_progress_bar_is_frames_on_a_piped_console_not_a_line_per_flush(
+    supervise: Any, tmp_path: Path
+) -> None:
+    sup = supervise(
+        {
+            "worker": "bar_over_time",
+            "nprocs": 1,
+            "args": [[4, 0.3]],
+            "tee": Std.OUT,
+            "log_dir": str(tmp_path / "logs"),
+        }
+    )
+    stdout, _, summary = sup.finish()
+    assert summary["failures"] == {}
+    # Each frame outlived the flush delay: it was shown as a frame (ended by \r, so the
+    # next one draws over it), never as a line of its own. The closing \n is written
+    # bare after the last frame, which a file or `less` reads as a CRLF line ending.
+    frames = b"".join(b"\r[w0]:step %d/4" % i for i in range(1, 5))
+    assert stdout == frames + b"\r\n[w0]:done\n"
+    log = (tmp_path / "logs" / "0" / "stdout.log").read_bytes()
+    assert log == b"".join(b"\rstep %d/4" % i for i in range(1, 5)) + b"\ndone\n"
+
+
+BAR_THEN_RAISE = """
+import sys, time
+print("starting", file=sys.stderr, flush=True)
+for i in range(1, 5):
+    sys.stderr.write(f"\\rtraining {i}/4")
+    sys.stderr.flush()
+    time.sleep(0.3)  # longer than the flush delay: every frame is held past it
+sys.stderr.write("\\n")
+raise ValueError("diverged")
+"""
+
+
+@pytest.mark.asyncio
+async def test_the_failure_report_keeps_the_last_frame_of_a_bar_not_every_frame(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "bar.py"
+    script.write_text(BAR_THEN_RAISE)
+    with anyio.fail_after(60):
+        result = await run_processes(
+            name="bar",
+            entrypoint=sys.executable,
+            args={0: (str(script),)},
+            envs={0: {}},
+            log_dir=tmp_path / "logs",
+            redirects=Std.ERR,
+        )
+    lines = result.failures[0].message.splitlines()
+    assert lines[:3] == ["starting", "training 4/4", "Traceback (most recent call last):"]
+    assert lines[-1] == "ValueError: diverged"
+    assert not any("training 1/4" in line or "training 3/4" in line for line in lines)
+    log = (tmp_path / "logs" / "0" / "stderr.log").read_bytes()
+    frames = b"".join(b"\rtraining %d/4" % i for i in range(1, 5))
+    assert log.startswith(b"starting\n" + frames + b"\nTraceback")
 
 
 def test_a_growing_partial_line_is_shown_after_the_flush_delay(
@@ -685,3 +748,98 @@ def test_idle_teed_workers_cost_no_threads_and_no_wakeups(supervise: Any) -> Non
     # No polling: an idle supervisor sleeps in epoll_wait and condition waits.
     assert switches_after - switches_before <= 10
     assert cpu_after - cpu_before <= 0.05
+
+
+# -- framing, unit ------------------------------------------------------------------------
+
+
+def _feed_all(framer: Framer, pieces: list[bytes | None]) -> bytes:
+    """Feed ``pieces``; ``None`` stands for the flush delay expiring."""
+    out = b""
+    for piece in pieces:
+        out += framer.flush() if piece is None else framer.feed(piece)
+    return out + framer.end()
+
+
+@pytest.mark.parametrize(
+    ("pieces", "console", "tail"),
+    [
+        pytest.param(
+            [b"\ra 1", b"\ra 2", b"\ra 3", b"\nok\n"],
+            b"\r[p]a 1\r[p]a 2\r[p]a 3\n[p]ok\n",
+            [b"a 3", b"ok"],
+            id="frames-in-one-go",
+        ),
+        pytest.param(
+            [b"\ra 1", None, None, b"\ra 2", None, b"\n"],
+            b"\r[p]a 1\r[p]a 2\r\n",
+            [b"a 2"],
+            id="each-frame-shown-once-by-the-delay",
+        ),
+        pytest.param(
+            [b"\ra 1", None, b"0", None, b"\n"],
+            b"\r[p]a 1\r[p]a 10\r\n",
+            [b"a 10"],
+            id="a-shown-frame-that-grows-is-drawn-again-whole",
+        ),
+        pytest.param(
+            [b"loss=", None, b"0.5\n"],
+            b"[p]loss=\n[p]0.5\n",
+            [b"loss=", b"0.5"],
+            id="plain-partial-text-is-still-a-line",
+        ),
+        pytest.param(
+            [b"a\r", b"\nb\r", b"x\n"],
+            b"[p]a\r\n[p]b\r[p]x\n",
+            [b"a", b"x"],
+            id="crlf-is-a-line-end-split-across-reads",
+        ),
+        pytest.param(
+            [b"\ra 1", None, b"\ra 2"],
+            b"\r[p]a 1\r[p]a 2\n",
+            [b"a 2"],
+            id="a-frame-held-at-the-end-gets-a-newline",
+        ),
+    ],
+)
+def test_framer_cuts_lines_and_frames(
+    pieces: list[bytes | None], console: bytes, tail: list[bytes]
+) -> None:
+    framer = Framer(b"[p]", console=True, keep_tail=True)
+    assert _feed_all(framer, pieces) == console
+    assert framer.tail_lines() == tail
+
+
+def test_live_frames_are_shown_as_they_arrive() -> None:
+    framer = Framer(b"", console=True, keep_tail=True, live=Live.FRAMES)
+    assert framer.feed(b"\r 10%|#") == b"\r 10%|#\r"
+    assert not framer.holding
+    assert framer.feed(b"#") == b" 10%|##\r"
+    assert framer.feed(b"\r 20%|###") == b" 20%|###\r"
+    assert framer.feed(b"\n") == b"\n"
+    assert framer.tail_lines() == [b" 20%|###"]
+    assert framer.feed(b"name? ") == b""  # plain text: a line of its own, later
+    assert framer.flush() == b"name? \n"
+
+
+def test_alone_at_a_terminal_a_prompt_is_shown_at_once_on_its_line() -> None:
+    framer = Framer(b"", console=True, keep_tail=True, live=Live.EVERYTHING)
+    assert framer.feed(b"name? ") == b"name? "
+    assert framer.flush() == b""
+    assert framer.feed(b"Alice\nhello") == b"Alice\nhello"
+    assert framer.feed(b"\r 10%") == b"\r 10%\r"
+    assert framer.feed(b"\r 20%") == b" 20%\r"
+    assert framer.end() == b"\n"
+    assert framer.tail_lines() == [b"name? Alice", b" 20%"]
+    with pytest.raises(ValueError, match="prefix"):
+        Framer(b"[w0]:", console=True, keep_tail=False, live=Live.EVERYTHING)
+
+
+def test_a_thousand_frames_leave_one_line_in_the_tail() -> None:
+    framer = Framer(b"", console=False, keep_tail=True)
+    for i in range(1000):
+        assert framer.feed(b"\rstep %d" % i) == b""
+        if i % 7 == 0:
+            framer.flush()
+    framer.feed(b"\nTraceback\n")
+    assert framer.tail_lines() == [b"step 999", b"Traceback"]

@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import signal
+import subprocess
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from types import FrameType
 
 import anyio
 import pytest
 
 from aioelastic._signals import SignalReceived, SignalScope, handle_signals
+from tests.waits import is_running
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -245,12 +251,29 @@ async def test_a_handler_the_host_put_on_the_loop_is_restored(guard: Recorder) -
 
 
 @pytest.mark.asyncio
-async def test_an_ignored_signal_stays_ignored(guard: Recorder) -> None:
+async def test_an_ignored_signal_is_handled_in_the_block_and_ignored_again_after(
+    guard: Recorder,
+) -> None:
+    # As torch's launchers do: a background job's inherited SIG_IGN must not make the
+    # supervisor deaf to the signals it is told to handle.
     signal.signal(USR2, signal.SIG_IGN)
     async with handle_signals((USR1, USR2)) as sigs:
-        assert sigs.installed == {USR1}
-        assert signal.getsignal(USR2) is signal.SIG_IGN
+        assert sigs.installed == {USR1, USR2}
+        assert await _signal_self_and_wait(sigs, USR2, 1) == USR2
     assert signal.getsignal(USR2) is signal.SIG_IGN
+    assert guard.seen == []
+
+
+@pytest.mark.asyncio
+async def test_an_ignored_sighup_stays_ignored_as_nohup_asked() -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        async with handle_signals((signal.SIGHUP, USR1)) as sigs:
+            assert sigs.installed == {USR1}
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
 
 
 def test_off_the_main_thread_nothing_is_installed_and_it_warns_once(guard: Recorder) -> None:
@@ -329,3 +352,77 @@ def test_signal_received_pickles() -> None:
     assert err.signum == signal.SIGTERM
     assert err.exit_code == 143
     assert str(err) == "SIGTERM received"
+
+
+# -- the launcher as a shell's background job ---------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+CLI_SCRIPT = str(REPO / "tests" / "children" / "cli.py")
+
+
+def _sigint_ignored(status_line: str) -> bool:
+    mask = int(status_line.split(":", 1)[1], 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+@pytest.mark.timeout(90)
+def test_a_background_job_launcher_is_stopped_by_sigint_with_its_workers() -> None:
+    # A non-interactive bash (no job control) starts `cmd &` with SIGINT and SIGQUIT
+    # ignored. The background job prints its own SigIgn, then becomes the launcher by
+    # exec (same process: the ignored dispositions carry over).
+    launch = (
+        f"exec {shlex.quote(sys.executable)} -m aioelastic.run --nproc-per-node 2 "
+        f"--shutdown-timeout 60 {shlex.quote(CLI_SCRIPT)} catch"
+    )
+    shell = (
+        f"sh -c {shlex.quote('grep ^SigIgn: /proc/$$/status; ' + launch)} &\n"
+        "echo launcher=$!\n"
+        "wait $!\n"
+        "echo status=$?\n"
+    )
+    proc = subprocess.Popen(
+        ["bash", "-c", shell],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so that a failing test can stop the whole job
+    )
+    assert proc.stdout is not None
+    launcher = 0
+    try:
+        first, second = proc.stdout.readline(), proc.stdout.readline()
+        # The two lines come from two processes: either order.
+        sig_ign, started_as = sorted([first, second])
+        assert sig_ign.startswith("SigIgn:"), (first, second)
+        assert _sigint_ignored(sig_ign), sig_ign
+        launcher = int(started_as.strip().removeprefix("launcher="))
+        ready = [proc.stdout.readline() for _ in range(2)]
+        assert all(line.startswith("ready rank=") for line in ready), ready
+        workers = [int(line.split("pid=")[1]) for line in ready]
+        for pid in workers:
+            # Started while the launcher's handler was in place: not ignoring SIGINT.
+            assert not _sigint_ignored(_status_line(pid, "SigIgn"))
+        started = time.monotonic()
+        os.kill(launcher, signal.SIGINT)
+        rest, stderr = proc.communicate(timeout=30)
+        took = time.monotonic() - started
+    finally:
+        if proc.poll() is None:
+            # The launcher leads no group of its own: the job's group holds bash and it;
+            # the workers die with the launcher (PR_SET_PDEATHSIG).
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    # The workers got the SIGINT (they exit at once on it), well before the 60 s grace.
+    assert sorted(line for line in rest.splitlines() if line.startswith("caught")) == [
+        "caught SIGINT rank=0",
+        "caught SIGINT rank=1",
+    ], (rest, stderr)
+    assert rest.splitlines()[-1] == f"status={128 + signal.SIGINT}", (rest, stderr)
+    assert took < 20, took
+    assert all(not is_running(pid) for pid in [launcher, *workers])
+
+
+def _status_line(pid: int, key: str) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line for line in f if line.startswith(key + ":"))

@@ -92,6 +92,21 @@ def split_line(rank: int, fifo: str) -> None:
     print(f"rank {rank} done")
 
 
+def bar_over_time(frames: int, pause: float) -> None:
+    """A progress bar of ``frames`` frames, ``pause`` seconds apart, then a line.
+
+    The pause is longer than the flush delay, so each frame is held past it.
+    """
+    for i in range(1, frames + 1):
+        if i > 1:
+            time.sleep(pause)
+        sys.stdout.write(f"\rstep {i}/{frames}")
+        sys.stdout.flush()
+    time.sleep(pause)
+    sys.stdout.write("\ndone\n")
+    sys.stdout.flush()
+
+
 def write_then_sigkill() -> None:
     """Write a line and a partial line, then die by SIGKILL before any cleanup."""
     os.write(1, b"last words before SIGKILL\nand a partial one")

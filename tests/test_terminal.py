@@ -1,0 +1,241 @@
+"""``aioelastic-run`` at a terminal: run under a real pseudo-terminal, as a person runs it.
+
+The launcher's stdin, stdout and stderr are the slave side of a pty (its controlling
+terminal, the launcher the foreground job); the test reads exactly what the terminal
+receives from the master side and types into it. The outer pty keeps its defaults (so a
+``\\n`` arrives as ``\\r\\n``, and what is typed is echoed), as a real terminal's.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = str(REPO / "tests" / "children" / "terminal.py")
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _set_size(fd: int, columns: int, lines: int) -> None:
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+
+
+def _take_terminal() -> None:
+    # In the child, after setsid and the dup2s: fd 0 becomes the controlling terminal
+    # and this process group its foreground job, as a shell arranges for a command.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+class Terminal:
+    """``aioelastic-run ARGV`` on a pty of ``columns`` x ``lines``."""
+
+    def __init__(self, argv: list[str], *, columns: int = 101, lines: int = 37) -> None:
+        self.master, slave = os.openpty()
+        _set_size(slave, columns, lines)
+        env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "LOGLEVEL")}
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "aioelastic.run", *argv],
+                cwd=REPO,
+                env=env,
+                stdin=slave,
+                stdout=slave,
+                stderr=slave,
+                start_new_session=True,
+                preexec_fn=_take_terminal,
+            )
+        finally:
+            os.close(slave)
+        self.data = bytearray()
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                chunk = os.read(self.master, 65536)
+            except OSError as exc:
+                if exc.errno != errno.EIO:  # EIO: every slave side is closed
+                    raise
+                chunk = b""
+            with self._cond:
+                if not chunk:
+                    self._cond.notify_all()
+                    return
+                self.data += chunk
+                self._cond.notify_all()
+
+    def wait_for(self, pattern: bytes, timeout: float = 60) -> re.Match[bytes]:
+        """The first match of the regex ``pattern`` in what the terminal received."""
+        compiled = re.compile(pattern)
+        with self._cond:
+            found = self._cond.wait_for(lambda: compiled.search(self.data), timeout)
+            assert found, f"{pattern!r} not on the terminal after {timeout} s: {self.text()!r}"
+            return found
+
+    def text(self) -> bytes:
+        return bytes(self.data[-3000:])
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    def resize(self, columns: int, lines: int) -> None:
+        # As a terminal emulator does: the kernel sends SIGWINCH to the foreground job.
+        _set_size(self.master, columns, lines)
+
+    def finish(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+        self._reader.join(30)
+        os.close(self.master)
+
+
+@pytest.fixture
+def terminal() -> Iterator[type[Terminal]]:
+    started: list[Terminal] = []
+
+    class Started(Terminal):
+        def __init__(self, argv: list[str], **size: int) -> None:
+            super().__init__(argv, **size)
+            started.append(self)
+
+    yield Started
+    for term in started:
+        term.close()
+
+
+def test_workers_see_a_terminal_of_the_real_size(terminal: type[Terminal]) -> None:
+    term = terminal(["--nproc-per-node", "2", SCRIPT, "tty"], columns=123, lines=45)
+    assert term.finish() == 0, term.text()
+    seen = sorted(
+        (json.loads(m[1]) for m in re.finditer(rb"TTY (.*?)\r\n", term.data)),
+        key=lambda s: s["rank"],
+    )
+    assert [s["rank"] for s in seen] == ["0", "1"], term.text()
+    for s in seen:
+        # stdin is /dev/null with two workers (which rank would a typed line go to?)
+        assert s["isatty"] == [False, True, True]
+        assert s["size"] == [123, 45]
+
+
+def test_a_single_worker_reads_the_terminal_with_input(terminal: type[Terminal]) -> None:
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "input"])
+    term.wait_for(rb"name\? ")
+    term.type(b"Alice\r")
+    # The prompt was shown at once and stayed on its line: the typed name follows it.
+    term.wait_for(rb"name\? Alice\r\nhello Alice!\r\n")
+    term.type(b"more\r\x04")
+    term.wait_for(rb"then 'more\\n' and end-of-file")
+    assert term.finish() == 0, term.text()
+    # Typed once, echoed once (by the terminal), not a second time by the worker's pty.
+    assert term.data.count(b"Alice") == 2, term.text()
+
+
+def test_each_frame_reaches_the_terminal_before_the_next_is_written(
+    terminal: type[Terminal], tmp_path: Path
+) -> None:
+    fifo = tmp_path / "go"
+    os.mkfifo(fifo)
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "frames", "5", str(fifo)])
+    with open(fifo, "wb", buffering=0) as go:
+        for i in range(1, 6):
+            # Colours unchanged, the frame as written; only then is the next one written.
+            term.wait_for(rb"\r\x1b\[32mframe %d/5\x1b\[0m" % i, timeout=30)
+            go.write(b".")
+    term.wait_for(rb"frames done")
+    assert term.finish() == 0, term.text()
+    bar = term.data[: term.data.index(b"frame 5/5")]
+    # No line per frame: the bar stays on one terminal line.
+    assert bar.count(b"\n") == 0, bar
+
+
+def test_a_window_resize_reaches_the_worker(terminal: type[Terminal]) -> None:
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "winch", "2"], columns=80, lines=24)
+    term.wait_for(rb"ready for resizes")
+    term.resize(132, 50)
+    term.wait_for(rb"resized 132x50")
+    term.resize(90, 30)
+    term.wait_for(rb"resized 90x30")
+    assert term.finish() == 0, term.text()
+
+
+def test_lines_of_four_workers_through_ptys_are_whole_and_all_there(
+    terminal: type[Terminal],
+) -> None:
+    count = 20_000
+    started = time.monotonic()
+    term = terminal(["--nproc-per-node", "4", SCRIPT, "lines", str(count)])
+    assert term.finish(timeout=90) == 0, term.text()
+    took = time.monotonic() - started
+    lines = bytes(term.data).split(b"\r\n")
+    assert lines[-1] == b""
+    by_rank: dict[int, list[int]] = {r: [] for r in range(4)}
+    for line in lines[:-1]:
+        match = re.fullmatch(rb"rank (\d) line (\d+) (x*)", line)
+        assert match is not None, line[:200]
+        assert len(match[3]) == int(match[2]) % 61
+        by_rank[int(match[1])].append(int(match[2]))
+    for numbers in by_rank.values():
+        assert numbers == list(range(count))
+    assert took < 60, took
+
+
+def test_the_failure_report_still_quotes_stderr_at_a_terminal(
+    terminal: type[Terminal],
+) -> None:
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "fail", "7"])
+    assert term.finish() == 7, term.text()
+    report = bytes(term.data)
+    # Once as the worker wrote it to the terminal, once quoted in the report.
+    assert report.count(b"about to fail") == 2, report
+
+
+def test_failure_and_restart_lines_at_the_default_level_in_colour(
+    terminal: type[Terminal],
+) -> None:
+    term = terminal(
+        ["--max-restarts", "1", "--nproc-per-node", "1",
+         str(REPO / "tests" / "children" / "cli.py"), "flaky", "--fail-times", "1", "--code", "5"]
+    )  # fmt: skip
+    assert term.finish() == 0, term.text()
+    term.wait_for(
+        rb"\x1b\[31m\[aioelastic-run\] ERROR:\x1b\[0m \[default\] failed \(exitcode: 5\) "
+        rb"local_rank: 0 \(global rank: 0, pid: \d+\)\r\n"
+    )
+    term.wait_for(
+        rb"\x1b\[33m\[aioelastic-run\] WARNING:\x1b\[0m \[default\] Worker group FAILED\. "
+        rb"1/1 attempts left; will restart worker group \(restart 1 of 1\)\r\n"
+    )
+    term.wait_for(rb"\[default\] run succeeded after 1 restart\(s\)")
+
+
+def test_breakpoint_in_a_single_worker_is_a_working_debugger(terminal: type[Terminal]) -> None:
+    term = terminal(["--nproc-per-node", "1", SCRIPT, "pdb"])
+    term.wait_for(rb"\(Pdb\) ")
+    term.type(b"p 6 * 7\r")
+    term.wait_for(rb"\r\n42\r\n")
+    term.type(b"answer = 42\r")
+    term.type(b"c\r")
+    term.wait_for(rb"answer is 42")
+    assert term.finish() == 0, term.text()
