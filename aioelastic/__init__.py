@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         WorkersStarted,
     )
     from ._launch import MainProcessError, WorkerError, free_port, launch
+    from ._output import OutputItem, OutputStream
     from ._pcontext import PContext, run_processes, start_processes
     from ._rendezvous import create_rdzv_handler
     from ._results import RunProcsResult
@@ -80,6 +81,8 @@ _EXPORTS = {
     "WorkerError": "._launch",
     "free_port": "._launch",
     "launch": "._launch",
+    "OutputItem": "._output",
+    "OutputStream": "._output",
     "PContext": "._pcontext",
     "run_processes": "._pcontext",
     "start_processes": "._pcontext",
@@ -140,7 +143,9 @@ __all__ = [
     "StopReason",
     "WorkerFailed",
     "WorkersStarted",
-    # Logs
+    # Logs and output
+    "OutputItem",
+    "OutputStream",
     "Std",
     "to_map",
     # Process ownership

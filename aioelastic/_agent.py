@@ -64,6 +64,7 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ._pcontext import PContext, start_processes
 from ._rendezvous import (
     LocalRendezvous,
@@ -451,6 +452,7 @@ class LocalElasticAgent:
         self._group = WorkerGroup(spec)
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.
         self._hub = EventHub() if _event_hub is None else _event_hub
+        self._output = OutputHub()
         self._log_root: Path | None = None
         self._ctx: PContext | None = None
         self._signal_scope: SignalScope | None = None
@@ -473,6 +475,28 @@ class LocalElasticAgent:
         last event. Each call makes an independent subscriber.
         """
         return self._hub.subscribe()
+
+    def output(
+        self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
+    ) -> OutputStream[OutputItem]:
+        """Subscribe to the workers' output across attempts (see `PContext.output`).
+
+        Items carry the worker's global ``rank`` and the ``attempt`` (its restart count).
+        With ``replay``, a subscriber starts with the current attempt's output still held.
+        The iteration ends after the run's last output.
+        """
+        return self._output.subscribe(replay=replay, buffer=buffer)
+
+    def timeline(
+        self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
+    ) -> OutputStream[OutputItem | AgentEvent]:
+        """:meth:`output` and the lifecycle events of :meth:`events`, in one stream.
+
+        For a consumer that wants one timeline (a log view that shows "worker 1 failed,
+        restarting" between the lines): events arrive in the order they happened
+        relative to the output, and are never dropped for a slow reader.
+        """
+        return self._output.subscribe(replay=replay, buffer=buffer, events=True)
 
     @property
     def log_dir(self) -> Path | None:
@@ -527,6 +551,7 @@ class LocalElasticAgent:
             self._signal_scope = None
             self._group.store = None
             self._hub.close()
+            self._output.close()
             self._drop_empty_temporary_logs()
 
     # -- the run -----------------------------------------------------------------------
@@ -699,6 +724,12 @@ class LocalElasticAgent:
             local_ranks_filter=self._config.local_ranks_filter,
             log_line_prefix=self._config.log_line_prefix_template,
         )
+        self._output.new_attempt()
+        ctx._share_output(
+            self._output,
+            {w.local_rank: w.global_rank for w in group.workers},
+            self._restart_count,
+        )
         self._ctx = ctx
         try:
             async with ctx:
@@ -803,7 +834,7 @@ class LocalElasticAgent:
 
     def _emit_failure(self, local_rank: int, failure: ProcessFailure) -> None:
         signal_name = failure.signal_name() if failure.exitcode < 0 else None
-        self._hub.emit(
+        self._publish(
             WorkerFailed(
                 timestamp=failure.timestamp,
                 role=self._spec.role,
@@ -821,7 +852,7 @@ class LocalElasticAgent:
         )
 
     def _emit(self, kind: type[AgentEvent], **fields: Any) -> None:
-        self._hub.emit(
+        self._publish(
             kind(
                 timestamp=time.time(),
                 role=self._spec.role,
@@ -831,3 +862,7 @@ class LocalElasticAgent:
                 **fields,
             )
         )
+
+    def _publish(self, event: AgentEvent) -> None:
+        self._hub.emit(event)
+        self._output.event(event)

@@ -32,6 +32,7 @@ import anyio
 
 from ._console import ConsoleStream
 from ._frames import Framer, Live
+from ._output import StreamOutput
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
 #: counted from its first byte: a bar that keeps growing is still shown this often.
@@ -51,6 +52,7 @@ class StreamPump:
         prefix: Put before every console line (and after every redrawing ``\\r``).
         keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
         live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
+        output: Where every chunk goes for ``ctx.output()`` subscribers (after the file).
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class StreamPump:
         prefix: bytes,
         keep_tail: bool,
         live: Live = Live.OFF,
+        output: StreamOutput | None = None,
     ) -> None:
         os.set_blocking(fd, False)
         self._fd: int | None = fd
@@ -71,6 +74,7 @@ class StreamPump:
         self._log_written = 0
         self._log_error: OSError | None = None
         self._console = console
+        self._output = output
         self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
         #: When the held partial line must be printed (``inf`` while none is held).
         self._flush_at = math.inf
@@ -158,6 +162,8 @@ class StreamPump:
         """Flush the held partial line and close the pipe and the log file (idempotent)."""
         self._flush_at = math.inf
         self._put(self._framer.end())
+        if self._output is not None:
+            self._output.end()
         if self._fd is not None:
             if self._waiter is not None:
                 # The pump task is asleep on this pipe: unregister while the number
@@ -206,6 +212,8 @@ class StreamPump:
     def _consume(self, chunk: bytes) -> None:
         if self._log_fd is not None:
             self._append_to_log(chunk)
+        if self._output is not None:
+            self._output.feed(chunk)
         if self._console is None and self._framer.tail is None:
             return
         self._put(self._framer.feed(chunk))

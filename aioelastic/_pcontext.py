@@ -39,6 +39,7 @@ from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
 from ._logs import StreamPump
+from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream, StreamOutput
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
@@ -90,6 +91,11 @@ class PContext:
     def __init__(self, spec: LaunchSpec) -> None:
         self._spec = spec
         self._workers: list[WorkerProcess] = []
+        self._output = OutputHub()
+        self._owns_output = True
+        #: Global rank by local rank and the attempt, for output items under the agent.
+        self._output_ranks: Mapping[int, int] | None = None
+        self._output_attempt: int | None = None
         self._entered = False
         self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -117,6 +123,38 @@ class PContext:
     def pids(self) -> dict[int, int]:
         """Pid of each started worker, by local rank."""
         return {w.local_rank: w.pid for w in self._ranked()}
+
+    def output(
+        self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
+    ) -> OutputStream[OutputItem]:
+        """Subscribe to the workers' output: every line and progress frame, live.
+
+        ``async for item in ctx.output():`` yields an :class:`OutputItem` per line (or
+        ``\\r`` frame) of every rank and stream, in the order each rank wrote them, whether
+        or not the streams are redirected or tee'd, and ends once every worker's streams
+        ended (the workers and their children exited, or the group was closed).
+        Subscribe before or after ``async with`` is entered; any number of subscribers
+        may read side by side.
+
+        Args:
+            replay: Start with what the workers wrote before this call (as much as the
+                bounded history holds; ``missed`` on the first item counts what it no
+                longer holds). ``False``: only what is written from now on.
+            buffer: Items this subscriber may fall behind by; when more arrive, the oldest
+                are dropped and the next item's ``missed`` says how many (the log files
+                still hold everything). Reading slowly never slows the workers.
+
+        Raises:
+            ValueError: ``buffer`` is not a positive number of items.
+        """
+        return self._output.subscribe(replay=replay, buffer=buffer)
+
+    def _share_output(self, hub: OutputHub, ranks: Mapping[int, int], attempt: int) -> None:
+        """Publish into an agent's hub (spanning attempts) with global ranks, not our own."""
+        self._output = hub
+        self._owns_output = False
+        self._output_ranks = ranks
+        self._output_attempt = attempt
 
     def _ranked(self) -> list[WorkerProcess]:
         return sorted(self._workers, key=lambda w: w.local_rank)
@@ -146,6 +184,8 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
+        if self._owns_output:
+            self._output.seal()  # every stream exists now: the last one to end ends output()
         # A worker that failed while its siblings were still starting had its teardown
         # held back until now, so that it covers every worker that was started.
         self._stop_if_failed()
@@ -333,11 +373,19 @@ class PContext:
             sink, prefix = target, b""
         else:
             sink, prefix = None, b""
+        ranks = self._output_ranks
         return {
             "log_path": log_path if redirected else None,
             "console": sink,
             "prefix": prefix,
             "keep_tail": stream is Std.ERR,
+            "output": StreamOutput(
+                self._output,
+                rank,
+                stream,
+                rank=None if ranks is None else ranks[rank],
+                attempt=self._output_attempt,
+            ),
         }
 
     def _logged(self, rank: int) -> Std:
@@ -614,6 +662,8 @@ class PContext:
         for worker in self._workers:
             if worker.result is not None:
                 worker.result.close()
+        if self._owns_output:
+            self._output.close()
         # Bounded: a console whose reader stopped reading (a paused terminal, a full
         # pipe nobody drains) must not hold up the end of the run.
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):

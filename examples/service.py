@@ -250,6 +250,9 @@ def main() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((opts.host, opts.port))
+    # Listening before the address is printed: a client that connects at once is queued
+    # until the server accepts, never refused.
+    sock.listen(128)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         create_app(log_root),

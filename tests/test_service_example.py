@@ -168,5 +168,7 @@ async def test_server_shutdown_stops_every_job(server: Server) -> None:
             pids += list(job["pids"].values())
     server.proc.send_signal(signal.SIGINT)
     returncode = await anyio.to_thread.run_sync(lambda: server.proc.wait(timeout=30))
-    assert returncode == 0
+    # Uvicorn shuts down cleanly, then re-raises the signal it caught so that the exit
+    # status says what ended it.
+    assert returncode == -signal.SIGINT
     assert not any(is_running(pid) for pid in pids)
