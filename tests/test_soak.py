@@ -1109,8 +1109,10 @@ async def test_the_audit_catches_what_a_round_leaves_behind(tmp_path: Path) -> N
     audit = Audit()
     # Two "workers" of the round: one nobody stopped, one killed but never reaped.
     env = {**os.environ, soak.ROUND_MARK: rnd.mark}
-    alive = subprocess.Popen(["sleep", "1000"], env=env, process_group=0)
-    zombie = subprocess.Popen(["sleep", "1000"], env=env, process_group=0)
+    # Each leads its own process group, as a worker does (start_new_session: Python 3.10
+    # has no process_group=).
+    alive = subprocess.Popen(["sleep", "1000"], env=env, start_new_session=True)
+    zombie = subprocess.Popen(["sleep", "1000"], env=env, start_new_session=True)
     zombie.kill()
     os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)
     await _audit_processes(rnd, {0: alive.pid, 1: zombie.pid}, Seen(), set(), audit)
