@@ -19,7 +19,6 @@ plan alone (:func:`expected_output`), so the test can check each log file byte f
 from __future__ import annotations
 
 import asyncio
-
 import json
 import os
 import random
