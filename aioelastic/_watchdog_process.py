@@ -1,0 +1,227 @@
+"""The watchdog process itself: run as a script, ``python -I -S _watchdog_process.py``.
+
+It imports only the standard library (a small interpreter, started in milliseconds) and
+never this package. See :mod:`aioelastic._watchdog` for what it is for; this file is the
+other end of its socket.
+
+Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
+
+* ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
+* ``B`` + marshalled ``(argv, env)`` + fds [stdout, stderr, cwd, status_w]: start a binary
+  worker with ``posix_spawn`` (a vfork: its cost does not grow with the size of any
+  process) in a new process group with default signal dispositions and an empty signal
+  mask. The answer is ``P<pid>`` or ``E<errno> <message>``. The group is watched before
+  the parent-death signal can be handled, so a supervisor SIGKILLed at any point of the
+  start leaves no orphan. The exit status is written to ``status_w`` when the worker
+  exits; the worker stays unreaped (its pid, hence its group id, cannot be reused) until
+* ``R<pid>``: reap that worker and stop watching its group.
+* end-of-file: the supervisor is gone; kill every watched group and exit.
+
+The parent-death signal (SIGUSR1, set with ``prctl``) does the same when the supervisor
+is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import ctypes.util
+import errno
+import marshal
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+
+_MAX_MSG = 1 << 20
+_STATUS = struct.Struct("=i")
+_DEATH_SIGNAL = signal.SIGUSR1
+#: Every signal a worker gets back at its default disposition (the watchdog ignores
+#: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
+_DEFAULT_SIGNALS = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+
+groups: set[int] = set()
+
+
+def kill_all(*_: object) -> None:
+    """Kill every watched process group and exit (the supervisor is gone)."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _returncode(info: os.waitid_result) -> int:
+    if info.si_code == os.CLD_EXITED:
+        return int(info.si_status)
+    return -int(info.si_status)
+
+
+def _executable(argv0: str, env: dict[str, str]) -> str:
+    # Like subprocess: a bare name is searched on the *worker's* PATH, not ours.
+    if os.sep in argv0:
+        return argv0
+    for directory in os.get_exec_path(env):
+        candidate = os.path.join(directory, argv0)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return argv0
+
+
+class _Server:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._status: dict[int, int] = {}  # pid -> status fd, until the exit is written
+        self._pidfds: dict[int, int] = {}
+        self._lock = threading.Lock()  # status writes from fallback waiter threads
+        self._use_pidfd = os.environ.get("AIOELASTIC_NO_PIDFD") != "1" and hasattr(os, "pidfd_open")
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def serve(self) -> None:
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    if not self._handle_request():
+                        return
+                else:
+                    self._report_exit(key.data)
+
+    def _handle_request(self) -> bool:
+        # Not socket.recv_fds: before Python 3.13 it drops its flags argument, and every
+        # fd received here must be close-on-exec or the next worker inherits it.
+        fds = array.array("i")
+        try:
+            msg, ancdata, _, _ = self._sock.recvmsg(
+                _MAX_MSG, socket.CMSG_LEN(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+            )
+        except ConnectionResetError:
+            return False
+        for level, cmsg_type, data in ancdata:
+            if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        if not msg:
+            return False
+        kind = msg[:1]
+        if kind == b"B":
+            self._spawn(msg[1:], list(fds))
+        elif kind == b"+":
+            groups.add(int(msg[1:]))
+        elif kind == b"-":
+            groups.discard(int(msg[1:]))
+        elif kind == b"R":
+            self._reap(int(msg[1:]))
+        return True
+
+    def _spawn(self, body: bytes, fds: list[int]) -> None:
+        stdout_fd, stderr_fd, cwd_fd, status_w = fds
+        argv, env = marshal.loads(body)
+        # A SIGKILLed supervisor must find the new group in `groups`: hold the
+        # parent-death signal from before the process exists until it is recorded.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
+        try:
+            os.fchdir(cwd_fd)
+            pid = os.posix_spawn(
+                _executable(argv[0], env),
+                argv,
+                env,
+                file_actions=[
+                    (os.POSIX_SPAWN_DUP2, self._devnull, 0),
+                    (os.POSIX_SPAWN_DUP2, stdout_fd, 1),
+                    (os.POSIX_SPAWN_DUP2, stderr_fd, 2),
+                ],
+                setpgroup=0,
+                setsigmask=(),
+                setsigdef=_DEFAULT_SIGNALS,
+            )
+            groups.add(pid)
+        except OSError as exc:
+            os.close(status_w)
+            message = b"E%d %s" % (exc.errno or errno.EIO, str(exc).encode(errors="replace"))
+            self._sock.sendmsg([message])
+            return
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
+            for fd in (stdout_fd, stderr_fd, cwd_fd):
+                os.close(fd)
+        self._status[pid] = status_w
+        pidfd = os.pidfd_open(pid) if self._use_pidfd else None
+        if pidfd is not None:
+            self._pidfds[pid] = pidfd
+            self._selector.register(pidfd, selectors.EVENT_READ, pid)
+        else:
+            threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
+        self._sock.sendmsg([b"P%d" % pid])
+
+    def _wait_in_thread(self, pid: int) -> None:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        self._write_status(pid, _returncode(info))
+
+    def _report_exit(self, pid: int) -> None:
+        pidfd = self._pidfds[pid]
+        self._selector.unregister(pidfd)
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        self._write_status(pid, _returncode(info))
+
+    def _write_status(self, pid: int, returncode: int) -> None:
+        with self._lock:
+            fd = self._status.pop(pid, None)
+            if fd is None:
+                return
+            try:
+                os.write(fd, _STATUS.pack(returncode))
+            except BrokenPipeError:
+                pass
+            os.close(fd)
+
+    def _reap(self, pid: int) -> None:
+        # Released only after the supervisor saw the exit and swept the group: the
+        # group id may be reused from now on, so it is no longer ours to kill.
+        groups.discard(pid)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        with self._lock:
+            fd = self._status.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+        pidfd = self._pidfds.pop(pid, None)
+        if pidfd is not None:
+            try:
+                self._selector.unregister(pidfd)
+            except KeyError:
+                pass
+            os.close(pidfd)
+
+
+def main() -> None:
+    """``_watchdog_process.py PARENT_PID SOCKET_FD``."""
+    parent, sock_fd = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(_DEATH_SIGNAL, kill_all)
+    # Ctrl-C at a terminal reaches the supervisor's group: the safety net must stay.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc.prctl(1, int(_DEATH_SIGNAL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        kill_all()
+    sock = socket.socket(fileno=sock_fd)
+    sock.set_inheritable(False)  # passed to us inheritable; no worker may hold it
+    sock.sendmsg([b"K"])
+    _Server(sock).serve()
+    kill_all()
+
+
+if __name__ == "__main__":
+    main()
