@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks._harness import ROOT, Harness, Plan, Series
 from benchmarks._reaper import become_subreaper, reap_all
-from benchmarks._report import build_rows, plot, render_problems, render_table
+from benchmarks._report import build_rows, check_claims, plot, render_problems, render_table
 from benchmarks._spec import Measure
 from benchmarks.measures import all_measures
 
@@ -54,8 +54,14 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run (CI): small N, one repetition, short idle times; checks that the "
-        "suite works, its numbers mean little",
+        help="CI run: small N, few repetitions, short idle times; checks that the suite "
+        "works and, like --check, that every headline ratio holds within its noise margin",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 3 when a headline ratio falls below its row's minimum "
+        "(implied by --quick; works with --from-json)",
     )
     parser.add_argument("--only", metavar="MEASURE[,..]", help=f"run only these measures: {names}")
     parser.add_argument(
@@ -153,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         document = json.loads(args.from_json.read_text())
         results = [Series(**entry) for entry in document["series"]]
         ran = {s.measure for s in results}
-        _report(document["meta"], [m for m in selected if m.name in ran], results, args.plot)
-        return 0
+        rows = _report(document["meta"], [m for m in selected if m.name in ran], results, args.plot)
+        return 3 if args.check and _failed_claims(rows) else 0
     meta = _meta(args_list, args.quick)
     plan = Plan(measures=selected, quick=args.quick, ns=args.ns, reps=args.reps)
     if args.dry_run:
@@ -179,7 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = _report(meta, selected, results, args.plot)
     if args.json:
         _write_json(args.json, meta, results, rows)
-    return 1 if any(s.status == "error" for s in results) else 0
+    if any(s.status == "error" for s in results):
+        return 1
+    return 3 if (args.quick or args.check) and _failed_claims(rows) else 0
+
+
+def _failed_claims(rows: list[dict[str, Any]]) -> bool:
+    failures = check_claims(rows)
+    if failures:
+        print("Behind the claimed ratio:\n" + "\n".join(f"- {f}" for f in failures))
+    return bool(failures)
 
 
 def _report(

@@ -135,9 +135,33 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                                 "theirs": asdict(theirs) if theirs else None,
                                 "ratio": value if metric.ratio else None,
                                 "ratio_is_lower_bound": bound if metric.ratio else False,
+                                "quick_min_ratio": (
+                                    row.quick_min_ratio if metric == measure.metrics[0] else None
+                                ),
                             }
                         )
     return rows
+
+
+def check_claims(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per checked row whose ratio fell below its ``quick_min_ratio`` (or is missing).
+
+    A row whose either side did not produce a number fails too: a claim that cannot be
+    checked must not pass silently.
+    """
+    failures = []
+    for r in rows:
+        floor = r.get("quick_min_ratio")
+        if floor is None:
+            continue
+        where = (
+            f"{r['measure']}: {r['case']} N={r['n']} ({r['ours_system']} vs {r['theirs_system']})"
+        )
+        if r["ratio"] is None:
+            failures.append(f"{where}: no ratio (a side did not run), needs >= {floor:g}")
+        elif r["ratio"] < floor:
+            failures.append(f"{where}: ratio {r['ratio']:.2f} < {floor:g}")
+    return failures
 
 
 def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:

@@ -85,12 +85,17 @@ class Row:
     Attributes:
         case: what the line compares, e.g. ``fn spawn`` or ``fn forkserver+preload vs spawn``.
         ours: label of the aioelastic (or floor) system.
-        theirs: label of the torch system, ``None`` for floor rows.
+        theirs: label of the torch (or floor) system, ``None`` for floor rows.
+        quick_min_ratio: the headline check of ``--quick``: the run fails when the ratio
+            of the first metric (>1: aioelastic better) falls below this at any N. It is
+            the row's claim divided by a noise margin for a 2-core shared CI machine
+            (see docs/benchmarks.md); ``None``: not checked.
     """
 
     case: str
     ours: str
     theirs: str | None = None
+    quick_min_ratio: float | None = None
 
 
 @dataclass(frozen=True)
