@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,43 @@ def test_check_exits_non_zero_from_json_when_a_claim_fails(tmp_path: Path) -> No
     again = _run("--from-json", str(broken), "--check", timeout=30)
     assert again.returncode == 3, again.stdout + again.stderr
     assert "Behind the claimed ratio:" in again.stdout
+
+
+@pytest.mark.timeout(150)
+def test_write_readme_regenerates_the_tables_between_markers_only(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "binary", "--ns", "8", "--json", str(out), timeout=140)
+    assert proc.returncode in (0, 3), proc.stderr
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(
+        "# intro\n<!-- benchmarks:readme:start -->\nold\n<!-- benchmarks:readme:end -->\nafter\n"
+    )
+    docs.write_text("top\n<!-- benchmarks:docs:start -->\nold\n<!-- benchmarks:docs:end -->\n")
+    args = ["--from-json", str(out), "--write-readme", "--readme", str(readme), "--docs", str(docs)]
+    again = _run(*args, timeout=30)
+    assert again.returncode == 0, again.stderr
+    text = readme.read_text()
+    assert text.startswith(
+        "# intro\n<!-- benchmarks:readme:start -->\nFrom `python -m benchmarks --quick"
+    )
+    assert text.endswith("<!-- benchmarks:readme:end -->\nafter\n")
+    assert "old" not in text
+    # Headline rows only, each naming torch's configuration.
+    assert "| binary: bin, torch period=0.01 | 8 |" in text
+    assert "torch.elastic/binary wait(period=0.01) (torch loaded)" in text
+    assert "bin vs floor" not in text  # its headline N (256) did not run
+    page = docs.read_text()
+    assert "#### i. binary:" in page
+    assert "| bin vs floor (target >= 0.5) | 8 | ms |" in page
+    # Idempotent: a second regeneration changes nothing.
+    _run(*args, timeout=30)
+    assert readme.read_text() == text
+
+
+def test_write_readme_refuses_a_file_without_markers(tmp_path: Path) -> None:
+    from benchmarks._report import replace_between_markers
+
+    with pytest.raises(
+        ValueError, match=re.escape("markers <!-- x:start --> ... <!-- x:end --> not")
+    ):
+        replace_between_markers("no markers here", "x", "table")

@@ -129,9 +129,11 @@ MEASURE = Measure(
                 ),
             ),
             rows=(
-                Row("bin, torch period=0.01", OURS, TORCH_FAST, quick_min_ratio=0.7),
-                Row("bin, torch-defaults", OURS, TORCH_DEFAULT),
-                Row("bin vs floor (target >= 0.5)", OURS, FLOOR, quick_min_ratio=0.3),
+                Row("bin, torch period=0.01", OURS, TORCH_FAST, quick_min_ratio=0.7, headline_n=8),
+                Row("bin, torch-defaults", OURS, TORCH_DEFAULT, headline_n=8),
+                Row(
+                    "bin vs floor (target >= 0.5)", OURS, FLOOR, quick_min_ratio=0.3, headline_n=256
+                ),
             ),
             ns=(8, 32, 64, 128, 256),
             quick_ns=(8, 64),

@@ -86,7 +86,7 @@ def _group(name: str, case: str, params: Params) -> Group:
             System("aioelastic-run", "aioelastic", f"{_M}:aio_run"),
             System("torchrun", "torch", f"{_M}:torchrun"),
         ),
-        rows=(Row(case, "aioelastic-run", "torchrun"),),
+        rows=(Row(case, "aioelastic-run", "torchrun", headline_n=1),),
         ns=(1, 4),
         quick_ns=(1,),
         default_reps=5,
