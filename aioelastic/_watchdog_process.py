@@ -156,7 +156,14 @@ class _Server:
             self._pidfds[pid] = pidfd
             self._selector.register(pidfd, selectors.EVENT_READ, pid)
         else:
-            threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
+            # A signal delivered to any thread runs its Python handler in the main thread
+            # at once, also inside a later spawn's window: the waiter thread must never
+            # take the parent-death signal, so it is created with it blocked (inherited).
+            signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
+            try:
+                threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
         self._sock.sendmsg([b"P%d" % pid])
 
     def _wait_in_thread(self, pid: int) -> None:

@@ -169,17 +169,24 @@ def _marked(marker: str) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("kill_after", [1, 5, 20])
+@pytest.mark.parametrize(
+    ("kill_after", "exit_watch"),
+    [(1, "pidfd"), (5, "pidfd"), (20, "pidfd"), (5, "waitid-thread"), (20, "waitid-thread")],
+)
 async def test_supervisor_sigkilled_while_starting_binaries_leaves_no_orphan(
-    kill_after: int,
+    kill_after: int, exit_watch: str
 ) -> None:
     # The supervisor starts binaries in a loop and is SIGKILLed mid-stream, so that the
     # kill lands inside some start: every binary it created must still die.
-    marker = f"aioelastic-orphan-check-{os.getpid()}-{kill_after}"
+    marker = f"aioelastic-orphan-check-{os.getpid()}-{kill_after}-{exit_watch}"
+    env = dict(os.environ)
+    if exit_watch == "waitid-thread":
+        env[_platform.NO_PIDFD_ENV] = "1"  # the watchdog waits with threads
     proc = await anyio.open_process(
         [sys.executable, "-m", "tests.children.binary_loop", marker],
         stdout=subprocess.PIPE,
         stderr=None,
+        env=env,
     )
     assert proc.stdout is not None
     seen = b""
