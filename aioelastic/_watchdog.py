@@ -34,7 +34,9 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -43,6 +45,21 @@ from ._exit_watch import StatusPipeWatch
 
 _SCRIPT = str(Path(__file__).with_name("_watchdog_process.py"))
 _MAX_MSG = 1 << 16
+#: Starts per message; the watchdog's own limit (fds per SCM_RIGHTS message).
+MAX_BATCH = 32
+#: Start requests up to this size travel in the message itself, larger ones in a memfd.
+_INLINE_MAX = 1 << 16
+
+
+@dataclass
+class _Start:
+    """One binary start waiting for the watchdog's answer."""
+
+    argv: list[str]
+    env: dict[str, str]
+    #: stdout, stderr, cwd (O_PATH), status pipe write end: sent, then closed by the caller.
+    fds: tuple[int, int, int, int]
+    answer: tuple[Any, ...] | BaseException | None = None
 
 
 def _readable(fd: int) -> bool:
@@ -92,6 +109,9 @@ class Watchdog:
         self._popen: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
+        self._queue: list[_Start] = []
+        self._queue_ready = threading.Condition()
+        self._sending = False
 
     @property
     def pid(self) -> int | None:
@@ -135,31 +155,80 @@ class Watchdog:
     ) -> tuple[int, SpawnedWatch]:
         """Blocking: have the watchdog start a binary worker (see ``_watchdog_process``).
 
+        Concurrent calls (one per launcher thread) share round trips: whichever thread
+        finds no exchange in flight sends every start queued so far in one message.
+
         Raises:
             OSError: the binary could not be executed (the errno of ``posix_spawn``).
+            RuntimeError: the watchdog died while starting it.
         """
-        body = b"B" + marshal.dumps(([os.fsdecode(a) for a in argv], dict(env)))
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         cwd = os.open(".", os.O_PATH | os.O_CLOEXEC)
+        request = _Start(
+            [os.fsdecode(a) for a in argv], dict(env), (stdout_fd, stderr_fd, cwd, status_w)
+        )
         try:
-            with self._lock:
-                sock = self._ensure_started()
-                socket.send_fds(sock, [body], [stdout_fd, stderr_fd, cwd, status_w])
-                answer = sock.recv(_MAX_MSG)
+            answer = self._submit(request)
         except BaseException:
             os.close(status_r)
             raise
         finally:
             os.close(status_w)
             os.close(cwd)
-        if answer.startswith(b"P"):
-            pid = int(answer[1:])
+        if answer[0] == "P":
+            pid = int(answer[1])
             return pid, SpawnedWatch(pid, status_r, _platform.pidfd_open(pid), self._release)
         os.close(status_r)
-        if answer.startswith(b"E"):
-            code, _, text = answer[1:].decode(errors="replace").partition(" ")
-            raise OSError(int(code), f"{text} (starting {argv[0]!r})")
-        raise RuntimeError(f"the watchdog died while starting {argv[0]!r}")
+        raise OSError(int(answer[1]), f"{answer[2]} (starting {request.argv[0]!r})")
+
+    def _submit(self, request: _Start) -> tuple[Any, ...]:
+        with self._queue_ready:
+            self._queue.append(request)
+            while request.answer is None:
+                if self._sending:
+                    self._queue_ready.wait()
+                    continue
+                batch = self._queue[:MAX_BATCH]
+                del self._queue[:MAX_BATCH]
+                self._sending = True
+                self._queue_ready.release()
+                answers: list[tuple[Any, ...] | BaseException]
+                try:
+                    answers = list(self._exchange(batch))
+                except BaseException as exc:
+                    answers = [exc] * len(batch)
+                finally:
+                    self._queue_ready.acquire()
+                    self._sending = False
+                    self._queue_ready.notify_all()
+                for start, answer in zip(batch, answers, strict=True):
+                    start.answer = answer
+        if isinstance(request.answer, BaseException):
+            raise request.answer
+        return request.answer
+
+    def _exchange(self, batch: list[_Start]) -> list[tuple[Any, ...]]:
+        body = marshal.dumps([(start.argv, start.env) for start in batch])
+        fds = [fd for start in batch for fd in start.fds]
+        with self._lock:
+            sock = self._ensure_started()
+            if len(body) < _INLINE_MAX:
+                socket.send_fds(sock, [b"B" + body], fds)
+            else:
+                # Larger than one datagram may be (the socket's send buffer): a memfd.
+                memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
+                try:
+                    view = memoryview(body)
+                    while view:
+                        view = view[os.write(memfd, view) :]
+                    socket.send_fds(sock, [b"M"], [*fds, memfd])
+                finally:
+                    os.close(memfd)
+            reply = sock.recv(_MAX_MSG)
+        if not reply:
+            raise RuntimeError(f"the watchdog died while starting {batch[0].argv[0]!r}")
+        answers: list[tuple[Any, ...]] = marshal.loads(reply)
+        return answers
 
     def _release(self, pid: int) -> None:
         self._send(b"R%d" % pid)
@@ -219,6 +288,9 @@ def _forget_in_child() -> None:
     watchdog._popen = None
     watchdog._close()
     watchdog._lock = threading.Lock()
+    watchdog._queue = []
+    watchdog._queue_ready = threading.Condition()
+    watchdog._sending = False
 
 
 os.register_at_fork(after_in_child=_forget_in_child)

@@ -7,13 +7,15 @@ other end of its socket.
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
 * ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
-* ``B`` + marshalled ``(argv, env)`` + fds [stdout, stderr, cwd, status_w]: start a binary
-  worker with ``posix_spawn`` (a vfork: its cost does not grow with the size of any
-  process) in a new process group with default signal dispositions and an empty signal
-  mask. The answer is ``P<pid>`` or ``E<errno> <message>``. The group is watched before
-  the parent-death signal can be handled, so a supervisor SIGKILLed at any point of the
-  start leaves no orphan. The exit status is written to ``status_w`` when the worker
-  exits; the worker stays unreaped (its pid, hence its group id, cannot be reused) until
+* ``B`` + a marshalled list of ``(argv, env)`` + 4 fds per entry [stdout, stderr, cwd,
+  status_w] (``M`` + the same with the list in a memfd, the last fd, when it is too large
+  for one message): start binary workers with ``posix_spawn`` (a vfork: its cost does not
+  grow with the size of any process), each in a new process group with default signal
+  dispositions and an empty signal mask. The answer is a marshalled list with
+  ``("P", pid)`` or ``("E", errno, message)`` per entry. Each group is watched before the
+  parent-death signal can be handled, so a supervisor SIGKILLed at any point of the start
+  leaves no orphan. The exit status is written to ``status_w`` when the worker exits; the
+  worker stays unreaped (its pid, hence its group id, cannot be reused) until
 * ``R<pid>``: reap that worker and stop watching its group.
 * end-of-file: the supervisor is gone; kill every watched group and exit.
 
@@ -37,6 +39,8 @@ import sys
 import threading
 
 _MAX_MSG = 1 << 20
+#: Starts per message: 4 fds each, under the kernel's 253 fds per SCM_RIGHTS message.
+MAX_BATCH = 32
 _STATUS = struct.Struct("=i")
 _DEATH_SIGNAL = signal.SIGUSR1
 #: Every signal a worker gets back at its default disposition (the watchdog ignores
@@ -54,6 +58,15 @@ def kill_all(*_: object) -> None:
         except OSError:
             pass
     os._exit(0)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
 
 
 def _returncode(info: os.waitid_result) -> int:
@@ -99,7 +112,9 @@ class _Server:
         fds = array.array("i")
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
-                _MAX_MSG, socket.CMSG_LEN(4 * fds.itemsize), socket.MSG_CMSG_CLOEXEC
+                _MAX_MSG,
+                socket.CMSG_LEN((4 * MAX_BATCH + 1) * fds.itemsize),
+                socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
             return False
@@ -110,7 +125,10 @@ class _Server:
             return False
         kind = msg[:1]
         if kind == b"B":
-            self._spawn(msg[1:], list(fds))
+            self._spawn_batch(msg[1:], list(fds))
+        elif kind == b"M":
+            *request_fds, memfd = fds
+            self._spawn_batch(_read_all(memfd), request_fds)
         elif kind == b"+":
             groups.add(int(msg[1:]))
         elif kind == b"-":
@@ -119,52 +137,61 @@ class _Server:
             self._reap(int(msg[1:]))
         return True
 
-    def _spawn(self, body: bytes, fds: list[int]) -> None:
-        stdout_fd, stderr_fd, cwd_fd, status_w = fds
-        argv, env = marshal.loads(body)
-        # A SIGKILLed supervisor must find the new group in `groups`: hold the
-        # parent-death signal from before the process exists until it is recorded.
+    def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
+        requests = marshal.loads(body)
+        answers: list[tuple[object, ...]] = []
+        # A SIGKILLed supervisor must find every new group in `groups`: hold the
+        # parent-death signal from before the first process exists until the last is
+        # recorded. Fallback waiter threads are created meanwhile and inherit the block:
+        # a signal delivered to any thread runs its Python handler in the main thread at
+        # once, also inside a later spawn's window, so no other thread may take it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
         try:
-            os.fchdir(cwd_fd)
-            pid = os.posix_spawn(
-                _executable(argv[0], env),
-                argv,
-                env,
-                file_actions=[
-                    (os.POSIX_SPAWN_DUP2, self._devnull, 0),
-                    (os.POSIX_SPAWN_DUP2, stdout_fd, 1),
-                    (os.POSIX_SPAWN_DUP2, stderr_fd, 2),
-                ],
-                setpgroup=0,
-                setsigmask=(),
-                setsigdef=_DEFAULT_SIGNALS,
-            )
-            groups.add(pid)
-        except OSError as exc:
-            os.close(status_w)
-            message = b"E%d %s" % (exc.errno or errno.EIO, str(exc).encode(errors="replace"))
-            self._sock.sendmsg([message])
-            return
+            for index, (argv, env) in enumerate(requests):
+                stdout_fd, stderr_fd, cwd_fd, status_w = fds[4 * index : 4 * index + 4]
+                try:
+                    pid = self._spawn(argv, env, stdout_fd, stderr_fd, cwd_fd)
+                except OSError as exc:
+                    os.close(status_w)
+                    answers.append(("E", exc.errno or errno.EIO, str(exc)))
+                    continue
+                finally:
+                    for fd in (stdout_fd, stderr_fd, cwd_fd):
+                        os.close(fd)
+                self._watch_exit(pid, status_w)
+                answers.append(("P", pid))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
-            for fd in (stdout_fd, stderr_fd, cwd_fd):
-                os.close(fd)
+        self._sock.sendmsg([marshal.dumps(answers)])
+
+    def _spawn(
+        self, argv: list[str], env: dict[str, str], stdout_fd: int, stderr_fd: int, cwd_fd: int
+    ) -> int:
+        os.fchdir(cwd_fd)
+        pid = os.posix_spawn(
+            _executable(argv[0], env),
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, self._devnull, 0),
+                (os.POSIX_SPAWN_DUP2, stdout_fd, 1),
+                (os.POSIX_SPAWN_DUP2, stderr_fd, 2),
+            ],
+            setpgroup=0,
+            setsigmask=(),
+            setsigdef=_DEFAULT_SIGNALS,
+        )
+        groups.add(pid)
+        return pid
+
+    def _watch_exit(self, pid: int, status_w: int) -> None:
         self._status[pid] = status_w
         pidfd = os.pidfd_open(pid) if self._use_pidfd else None
         if pidfd is not None:
             self._pidfds[pid] = pidfd
             self._selector.register(pidfd, selectors.EVENT_READ, pid)
         else:
-            # A signal delivered to any thread runs its Python handler in the main thread
-            # at once, also inside a later spawn's window: the waiter thread must never
-            # take the parent-death signal, so it is created with it blocked (inherited).
-            signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
-            try:
-                threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
-        self._sock.sendmsg([b"P%d" % pid])
+            threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
 
     def _wait_in_thread(self, pid: int) -> None:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)

@@ -96,6 +96,27 @@ async def test_binary_worker_inherits_no_fd_but_its_stdio(tmp_path: Path) -> Non
         assert Path(result.stdouts[rank]).read_text().split() == ["0", "1", "2", "3"]
 
 
+async def test_many_concurrent_starts_with_large_environments_each_get_their_own(
+    tmp_path: Path,
+) -> None:
+    # Concurrent starts share messages to the watchdog, and environments this large travel
+    # in a memfd: every worker must still get exactly its own argv and environment.
+    n = 40
+    started = time.monotonic()
+    result = await aioelastic.run_processes(
+        "big",
+        "/bin/sh",
+        {rank: ("-c", 'printf "%s %s" "$1" "${#BIG}"', "sh", str(rank)) for rank in range(n)},
+        {rank: {"BIG": "x" * (70_000 + rank)} for rank in range(n)},
+        redirects=aioelastic.Std.OUT,
+        log_dir=tmp_path,
+    )
+    assert time.monotonic() - started < 40
+    assert not result.is_failed()
+    outputs = {rank: Path(path).read_text() for rank, path in result.stdouts.items()}
+    assert outputs == {rank: f"{rank} {70_000 + rank}" for rank in range(n)}
+
+
 async def test_binary_runs_in_our_current_directory_and_writes_to_our_current_stdout(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
