@@ -15,7 +15,10 @@ of the supervisor — tens of milliseconds once it has imported torch. The watch
 them with ``posix_spawn`` instead (no copy of anything) and is their parent, so their
 death with the supervisor is its job: it records each new group before it handles the
 parent-death signal (which it holds blocked while spawning), so there is no window in
-which a SIGKILLed supervisor leaves an orphan.
+which a SIGKILLed supervisor leaves an orphan. What a binary worker inherits from its
+parent that is not passed with each start (resource limits, umask, scheduling) is
+therefore the supervisor's as of the watchdog's start; the current directory, the
+environment and stdio are sent with every start.
 
 It runs with ``-I -S`` (no site import, stdlib only; see ``_watchdog_process``). It
 ignores SIGINT and sits in its own process group so that Ctrl-C at a terminal, which
