@@ -115,6 +115,8 @@ class Watchdog:
         self._queue: list[_Start] = []
         self._queue_ready = threading.Condition()
         self._sending = False
+        #: Binary workers the watchdog started and watches already, until released.
+        self._spawned: set[int] = set()
 
     @property
     def pid(self) -> int | None:
@@ -180,6 +182,7 @@ class Watchdog:
             os.close(cwd)
         if answer[0] == "P":
             pid = int(answer[1])
+            self._spawned.add(pid)
             return pid, SpawnedWatch(pid, status_r, _platform.pidfd_open(pid), self._release)
         os.close(status_r)
         raise OSError(int(answer[1]), f"{answer[2]} (starting {request.argv[0]!r})")
@@ -234,10 +237,13 @@ class Watchdog:
         return answers
 
     def _release(self, pid: int) -> None:
+        self._spawned.discard(pid)
         self._send(b"R%d" % pid)
 
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies before :meth:`forget`."""
+        if pgid in self._spawned:
+            return  # the watchdog recorded the group itself when it started the worker
         self._send(b"+%d" % pgid)
 
     def forget(self, pgid: int) -> None:
@@ -294,6 +300,7 @@ def _forget_in_child() -> None:
     watchdog._queue = []
     watchdog._queue_ready = threading.Condition()
     watchdog._sending = False
+    watchdog._spawned = set()
 
 
 os.register_at_fork(after_in_child=_forget_in_child)
