@@ -29,6 +29,7 @@ import anyio
 from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
+from ._watchdog import watchdog
 
 T = TypeVar("T")
 
@@ -115,14 +116,6 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
     popen.returncode = 0
 
 
-def _binary_preexec(parent_pid: int) -> Callable[[], None]:
-    def preexec() -> None:
-        _platform.die_with_parent(parent_pid)
-        _platform.default_signal_state(python=False)
-
-    return preexec
-
-
 def start_binary(
     argv: Sequence[str],
     env: dict[str, str],
@@ -130,23 +123,16 @@ def start_binary(
     stderr_fd: int,
     stdin_fd: int | None = None,
 ) -> Launched:
-    """Start ``argv`` (no shell) in a new process group with a parent-death signal."""
-    with _subreaper.creation_guard():
-        popen = _register(
-            subprocess.Popen(
-                list(argv),
-                env=env,
-                stdin=subprocess.DEVNULL if stdin_fd is None else stdin_fd,
-                stdout=stdout_fd,
-                stderr=stderr_fd,
-                close_fds=True,
-                # prctl() has to happen between fork and exec for a binary we do not control.
-                **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
-            )
-        )
-    launched = Launched(popen.pid, _watch_or_kill(popen.pid))
-    _disown(popen)
-    return launched
+    """Start ``argv`` (no shell) in a new process group that dies with this process.
+
+    The watchdog process starts it (see :mod:`aioelastic._watchdog`): no ``fork()`` of
+    this possibly large process, and the parent-death guarantee without a ``preexec_fn``.
+    """
+    # ``None`` means our *current* stdout, not the one the watchdog had when it started.
+    pid, watch = watchdog.spawn(
+        argv, env, 1 if stdout_fd is None else stdout_fd, stderr_fd, stdin_fd
+    )
+    return Launched(pid, watch)
 
 
 def python_command(code: str) -> list[str]:

@@ -25,7 +25,16 @@ from typing import Any
 
 from benchmarks._harness import ROOT, Harness, Plan, Series
 from benchmarks._reaper import become_subreaper, reap_all
-from benchmarks._report import build_rows, plot, render_problems, render_table
+from benchmarks._report import (
+    build_rows,
+    check_claims,
+    plot,
+    render_headlines,
+    render_problems,
+    render_table,
+    replace_between_markers,
+    run_line,
+)
 from benchmarks._spec import Measure
 from benchmarks.measures import all_measures
 
@@ -54,8 +63,14 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run (CI): small N, one repetition, short idle times; checks that the "
-        "suite works, its numbers mean little",
+        help="CI run: small N, few repetitions, short idle times; checks that the suite "
+        "works and, like --check, that every headline ratio holds within its noise margin",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit with status 3 when a headline ratio falls below its row's minimum "
+        "(implied by --quick; works with --from-json)",
     )
     parser.add_argument("--only", metavar="MEASURE[,..]", help=f"run only these measures: {names}")
     parser.add_argument(
@@ -85,11 +100,32 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         help="print the table (and draw --plot) of an earlier run's --json FILE; runs nothing",
     )
     parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="write the headline table into README.md and the full table into "
+        "docs/benchmarks.md, between their <!-- benchmarks:readme/docs:start/end --> markers",
+    )
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--docs", type=Path, default=ROOT / "docs" / "benchmarks.md", help=argparse.SUPPRESS
+    )
+    parser.add_argument(
+        "--record",
+        action="store_true",
+        help=f"the full run whose results are kept: same as --json {RESULTS.relative_to(ROOT)} "
+        f"--plot {PLOT.relative_to(ROOT)} --write-readme",
+    )
+    parser.add_argument(
         "--dry-run",
         action="store_true",
         help="print what would run (systems, N, repetitions) and exit",
     )
     return parser
+
+
+#: Where ``--record`` keeps the run (committed) and its plot.
+RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
+PLOT = ROOT / "benchmarks" / "startup-latency.png"
 
 
 def _select(measures: list[Measure], only: str | None) -> list[Measure]:
@@ -128,6 +164,22 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _machine() -> str:
+    """CPU model and memory, from /proc (empty where it cannot be read)."""
+    model = memory = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), ""
+            )
+        with open("/proc/meminfo") as f:
+            kib = next((int(ln.split()[1]) for ln in f if ln.startswith("MemTotal:")), 0)
+        memory = f"{kib / 2**20:.0f} GiB" if kib else ""
+    except OSError:
+        pass
+    return ", ".join(x for x in (model, memory) if x)
+
+
 def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -138,6 +190,7 @@ def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
         "torch": _version("torch"),
         "aioelastic": _version("aioelastic"),
         "platform": platform.platform(),
+        "machine": _machine(),
         "cpus": os.cpu_count(),
         "loadavg_start": os.getloadavg(),
     }
@@ -148,13 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else argv
     measures = all_measures()
     args = _parser(measures).parse_args(args_list)
+    if args.record:
+        if args.quick or args.from_json or args.only or args.ns or args.reps:
+            raise SystemExit(
+                "--record is the full run of every measure; drop --quick/--from-json/--only/"
+                "--ns/--reps, or use --json FILE for a partial run"
+            )
+        args.json, args.plot, args.write_readme = RESULTS, PLOT, True
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
     selected = _select(measures, args.only)
     if args.from_json:
         document = json.loads(args.from_json.read_text())
         results = [Series(**entry) for entry in document["series"]]
         ran = {s.measure for s in results}
-        _report(document["meta"], [m for m in selected if m.name in ran], results, args.plot)
-        return 0
+        shown = [m for m in selected if m.name in ran]
+        rows = _report(document["meta"], shown, results, args.plot)
+        if args.write_readme:
+            _write_docs(args.readme, args.docs, document["meta"], shown, rows)
+        return 3 if args.check and _failed_claims(rows) else 0
     meta = _meta(args_list, args.quick)
     plan = Plan(measures=selected, quick=args.quick, ns=args.ns, reps=args.reps)
     if args.dry_run:
@@ -179,7 +243,45 @@ def main(argv: list[str] | None = None) -> int:
     rows = _report(meta, selected, results, args.plot)
     if args.json:
         _write_json(args.json, meta, results, rows)
-    return 1 if any(s.status == "error" for s in results) else 0
+    if args.write_readme:
+        _write_docs(args.readme, args.docs, meta, selected, rows)
+    if any(s.status == "error" for s in results):
+        return 1
+    return 3 if (args.quick or args.check) and _failed_claims(rows) else 0
+
+
+def _write_docs(
+    readme: Path,
+    docs: Path,
+    meta: dict[str, Any],
+    measures: list[Measure],
+    rows: list[dict[str, Any]],
+) -> None:
+    """Regenerate the README's headline table and docs/benchmarks.md's full table."""
+    source = f"From {run_line(meta)}; regenerate with `python -m benchmarks --from-json "
+    source += f"{RESULTS.relative_to(ROOT)} --write-readme`."
+    readme.write_text(
+        replace_between_markers(
+            readme.read_text(),
+            "benchmarks:readme",
+            source + "\n\n" + render_headlines(measures, rows),
+        )
+    )
+    # The docs page nests the tables one level deeper than the printed report.
+    docs.write_text(
+        replace_between_markers(
+            docs.read_text(),
+            "benchmarks:docs",
+            source + "\n\n" + ("\n" + render_table(measures, rows)).replace("\n### ", "\n#### "),
+        )
+    )
+
+
+def _failed_claims(rows: list[dict[str, Any]]) -> bool:
+    failures = check_claims(rows)
+    if failures:
+        print("Behind the claimed ratio:\n" + "\n".join(f"- {f}" for f in failures))
+    return bool(failures)
 
 
 def _report(
@@ -211,7 +313,9 @@ def _describe(plan: Plan) -> str:
                 )
                 warm = (
                     " (+1 warm-up each)"
-                    if group.warmup and not plan.quick and n == plan.ns_for(group)[0]
+                    if group.warmup
+                    and (group.quick_warmup or not plan.quick)
+                    and n == plan.ns_for(group)[0]
                     else ""
                 )
                 lines.append(f"  N={n}: {runs}{warm}")

@@ -272,7 +272,7 @@ class Harness:
             self._driver(system)
         for n in ns:
             active = self.plan.systems_for(group, n)
-            warm = group.warmup and not self.plan.quick and n == ns[0]
+            warm = group.warmup and (group.quick_warmup or not self.plan.quick) and n == ns[0]
             if warm:
                 for system in active:
                     self._one(measure, group, system, n, dead, series, warmup=True)

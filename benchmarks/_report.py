@@ -135,9 +135,92 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                                 "theirs": asdict(theirs) if theirs else None,
                                 "ratio": value if metric.ratio else None,
                                 "ratio_is_lower_bound": bound if metric.ratio else False,
+                                "headline": row.headline_n == n and metric == measure.metrics[0],
+                                "quick_min_ratio": (
+                                    row.quick_min_ratio if metric == measure.metrics[0] else None
+                                ),
                             }
                         )
     return rows
+
+
+def check_claims(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per checked row whose ratio fell below its ``quick_min_ratio`` (or is missing).
+
+    A row whose either side did not produce a number fails too: a claim that cannot be
+    checked must not pass silently.
+    """
+    failures = []
+    for r in rows:
+        floor = r.get("quick_min_ratio")
+        if floor is None:
+            continue
+        where = (
+            f"{r['measure']}: {r['case']} N={r['n']} ({r['ours_system']} vs {r['theirs_system']})"
+        )
+        if r["ratio"] is None:
+            failures.append(f"{where}: no ratio (a side did not run), needs >= {floor:g}")
+        elif r["ratio"] < floor:
+            failures.append(f"{where}: ratio {r['ratio']:.2f} < {floor:g}")
+    return failures
+
+
+def run_line(meta: dict[str, Any]) -> str:
+    """Where the numbers come from: command, date, commit, machine, torch."""
+    machine = meta.get("machine") or meta.get("platform")
+    return (
+        f"`{meta['command']}` on {meta['date']}, commit `{meta['git_commit']}`, "
+        f"{meta['cpus']} CPUs ({machine}), torch {meta['torch']}, Python {meta['python']}, "
+        f"{meta['duration_s']} s"
+    )
+
+
+def render_headlines(measures: list[Measure], rows: list[dict[str, Any]]) -> str:
+    """The README's table: each headline row at its N, with torch's configuration named."""
+    metrics = {(m.name, x.name): x for m in measures for x in m.metrics}
+    out = [
+        "| measure | N | aioelastic | torch (configuration) | torch | ratio |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        if not r.get("headline"):
+            continue
+        metric = metrics[(r["measure"], r["metric"])]
+        ours = Stats(**r["ours"])
+        theirs = Stats(**r["theirs"]) if r["theirs"] else Stats("skipped")
+        ratio_text = ""
+        if r["ratio"] is not None:
+            ratio_text = (">" if r["ratio_is_lower_bound"] else "") + f"{r['ratio']:.2f}x"
+        unit = f" {metric.unit}"
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    f"{r['measure']}: {r['case']}",
+                    str(r["n"]),
+                    _cell(ours, metric) + unit,
+                    r["theirs_system"] or "",
+                    _cell(theirs, metric) + unit,
+                    ratio_text,
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(out)
+
+
+def replace_between_markers(text: str, name: str, content: str) -> str:
+    """``text`` with what lies between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` replaced.
+
+    Raises:
+        ValueError: the markers are missing or out of order (the message names them).
+    """
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    head, found, rest = text.partition(start)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise ValueError(f"markers {start} ... {end} not found; add them where the table goes")
+    return f"{head}{start}\n{content.strip()}\n{end}{tail}"
 
 
 def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:

@@ -85,12 +85,20 @@ class Row:
     Attributes:
         case: what the line compares, e.g. ``fn spawn`` or ``fn forkserver+preload vs spawn``.
         ours: label of the aioelastic (or floor) system.
-        theirs: label of the torch system, ``None`` for floor rows.
+        theirs: label of the torch (or floor) system, ``None`` for floor rows.
+        quick_min_ratio: the headline check of ``--quick``: the run fails when the ratio
+            of the first metric (>1: aioelastic better) falls below this at any N. It is
+            the row's claim divided by a noise margin for a 2-core shared CI machine
+            (see docs/benchmarks.md); ``None``: not checked.
+        headline_n: the N at which this row goes into the README's generated table
+            (``None``: only in docs/benchmarks.md's full table).
     """
 
     case: str
     ours: str
     theirs: str | None = None
+    quick_min_ratio: float | None = None
+    headline_n: int | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +114,8 @@ class Group:
         quick_reps: repetitions per N in ``--quick`` mode.
         params: parameters for every system's ``impl`` (``quick_params`` override in quick).
         warmup: run one discarded repetition per driver first (imports, fork servers).
+        quick_warmup: do that in ``--quick`` mode too (groups whose ratios ``--quick``
+            checks on warm systems).
         rep_timeout: harness-side limit for one repetition, a safety net only: systems
             that can hang (torch's 30 s teardown) enforce their own shorter limit.
     """
@@ -121,6 +131,7 @@ class Group:
     params: Params = field(default_factory=dict)
     quick_params: Params = field(default_factory=dict)
     warmup: bool = True
+    quick_warmup: bool = False
     rep_timeout: float = 300.0
 
     def reps_for(self, n: int, quick: bool, system: System | None = None) -> int:

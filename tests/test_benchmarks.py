@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks._harness import Series
-from benchmarks._report import build_rows, render_table, summarise
+from benchmarks._report import build_rows, check_claims, render_table, summarise
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import Capture, count_lines
 
@@ -179,3 +180,102 @@ def test_count_lines_finds_lost_split_merged_and_duplicated_lines() -> None:
     assert counted.good == 1
     assert counted.lost == 5
     assert counted.broken == 6
+
+
+def _claim_measure(floor: float) -> Measure:
+    return Measure(
+        name="m",
+        letter="x",
+        title="t",
+        metrics=(SECONDS, Metric("other", "ms")),
+        groups=(
+            Group(
+                name="g",
+                systems=(System("ours", "aioelastic", "x:y"), System("theirs", "torch", "x:y")),
+                rows=(Row("case", "ours", "theirs", quick_min_ratio=floor),),
+                ns=(4,),
+            ),
+        ),
+    )
+
+
+def test_check_claims_fails_a_row_behind_its_minimum_ratio_and_one_that_did_not_run() -> None:
+    results = [_series("ours", [1.0, 1.1, 1.2]), _series("theirs", [0.8, 0.8, 0.8])]
+    for series in results:
+        series.samples = [{"seconds": s["seconds"], "other": 1.0} for s in series.samples]
+    rows = build_rows([_claim_measure(0.7)], results)
+    # Only the headline (first) metric carries the claim.
+    assert [r["quick_min_ratio"] for r in rows] == [0.7, None]
+    assert check_claims(rows) == []  # 0.8 / 1.1 = 0.73 >= 0.7
+
+    behind = build_rows([_claim_measure(0.75)], results)
+    assert check_claims(behind) == [
+        "m: case N=4 (ours vs theirs): ratio 0.73 < 0.75",
+    ]
+
+    missing = build_rows([_claim_measure(0.5)], [results[0]])
+    assert check_claims(missing) == [
+        "m: case N=4 (ours vs theirs): no ratio (a side did not run), needs >= 0.5"
+    ]
+
+
+@pytest.mark.timeout(150)
+def test_check_exits_non_zero_from_json_when_a_claim_fails(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "binary", "--ns", "8", "--json", str(out), timeout=140)
+    assert proc.returncode in (0, 3), proc.stderr
+    document = json.loads(out.read_text())
+    checked = [r for r in document["rows"] if r["quick_min_ratio"] is not None]
+    assert {r["case"] for r in checked} == {
+        "bin, torch period=0.01",
+        "bin vs floor (target >= 0.5)",
+    }
+    # The same run with aioelastic 100 times slower: the check must now fail.
+    for series in document["series"]:
+        if series["kind"] == "aioelastic":
+            series["samples"] = [{k: v * 100 for k, v in s.items()} for s in series["samples"]]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(document))
+    again = _run("--from-json", str(broken), "--check", timeout=30)
+    assert again.returncode == 3, again.stdout + again.stderr
+    assert "Behind the claimed ratio:" in again.stdout
+
+
+@pytest.mark.timeout(150)
+def test_write_readme_regenerates_the_tables_between_markers_only(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "binary", "--ns", "8", "--json", str(out), timeout=140)
+    assert proc.returncode in (0, 3), proc.stderr
+    readme, docs = tmp_path / "README.md", tmp_path / "benchmarks.md"
+    readme.write_text(
+        "# intro\n<!-- benchmarks:readme:start -->\nold\n<!-- benchmarks:readme:end -->\nafter\n"
+    )
+    docs.write_text("top\n<!-- benchmarks:docs:start -->\nold\n<!-- benchmarks:docs:end -->\n")
+    args = ["--from-json", str(out), "--write-readme", "--readme", str(readme), "--docs", str(docs)]
+    again = _run(*args, timeout=30)
+    assert again.returncode == 0, again.stderr
+    text = readme.read_text()
+    assert text.startswith(
+        "# intro\n<!-- benchmarks:readme:start -->\nFrom `python -m benchmarks --quick"
+    )
+    assert text.endswith("<!-- benchmarks:readme:end -->\nafter\n")
+    assert "old" not in text
+    # Headline rows only, each naming torch's configuration.
+    assert "| binary: bin, torch period=0.01 | 8 |" in text
+    assert "torch.elastic/binary wait(period=0.01) (torch loaded)" in text
+    assert "bin vs floor" not in text  # its headline N (256) did not run
+    page = docs.read_text()
+    assert "#### i. binary:" in page
+    assert "| bin vs floor (target >= 0.5) | 8 | ms |" in page
+    # Idempotent: a second regeneration changes nothing.
+    _run(*args, timeout=30)
+    assert readme.read_text() == text
+
+
+def test_write_readme_refuses_a_file_without_markers(tmp_path: Path) -> None:
+    from benchmarks._report import replace_between_markers
+
+    with pytest.raises(
+        ValueError, match=re.escape("markers <!-- x:start --> ... <!-- x:end --> not")
+    ):
+        replace_between_markers("no markers here", "x", "table")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from benchmarks._spec import Measure
 from benchmarks.measures import (
+    binary,
     completion,
     failure,
     floor,
@@ -21,6 +22,7 @@ def all_measures() -> list[Measure]:
     return [
         floor.MEASURE,
         startup.MEASURE,
+        binary.MEASURE,
         completion.MEASURE,
         failure.MEASURE,
         teardown.MEASURE,

@@ -151,7 +151,7 @@ MEASURE = Measure(
                 System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
                 System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
             ),
-            rows=(Row("bin /bin/true", "aioelastic/binary", "torch.elastic/binary"),),
+            rows=(Row("bin /bin/true", "aioelastic/binary", "torch.elastic/binary", headline_n=8),),
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(2,),
             default_reps=5,

@@ -29,7 +29,7 @@ MEASURE = Measure(
                 System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
                 System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
             ),
-            rows=(Row("bin", "aioelastic/binary", "torch.elastic/binary"),),
+            rows=(Row("bin", "aioelastic/binary", "torch.elastic/binary", headline_n=1),),
             ns=(1, 4, 16),
             quick_ns=(2,),
             default_reps=7,
@@ -46,7 +46,12 @@ MEASURE = Measure(
                 System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", _TP),
             ),
             rows=(
-                Row("fn forkserver", "aioelastic/forkserver", "torch.elastic/forkserver"),
+                Row(
+                    "fn forkserver",
+                    "aioelastic/forkserver",
+                    "torch.elastic/forkserver",
+                    headline_n=1,
+                ),
                 Row("fn forkserver", "aioelastic/forkserver", "torch.mp/forkserver"),
             ),
             ns=(1, 4, 16),

@@ -88,7 +88,7 @@ def _group(name: str, tee: bool, reps: int) -> Group:
             System("aioelastic/binary", "aioelastic", f"{_M}:aio"),
             System("torch.elastic/binary", "torch", f"{_M}:torch_elastic"),
         ),
-        rows=(Row(name, "aioelastic/binary", "torch.elastic/binary"),),
+        rows=(Row(name, "aioelastic/binary", "torch.elastic/binary", headline_n=16),),
         ns=(16,),
         quick_ns=(4,),
         default_reps=reps,

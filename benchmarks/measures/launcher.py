@@ -4,9 +4,10 @@ Each repetition runs ``python -m aioelastic.run`` or ``python -m torch.distribut
 with ``--nproc-per-node N`` and either ``--standalone`` (the documented single-node form;
 a free port, no clash with a neighbour's 29500) or ``--master-port PORT`` (the static
 rendezvous, torchrun's default backend), and :mod:`benchmarks._trivial`, which stamps the
-clock and exits. *seconds*: launch to the launcher's exit; *to user code*: launch to the
-last worker's stamp. The floor for comparison is one ``python -S`` start per process (see
-``floor``).
+clock and exits, or :mod:`benchmarks._gloo` (import torch, gloo process group, barrier).
+*seconds*: launch to the launcher's exit; *to user code*: launch to the last worker's stamp
+(for the real script: the last rank past the barrier). The floor for comparison is one
+``python -S`` start per process (see ``floor``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from benchmarks._spec import (
 )
 from benchmarks._util import free_port, now_ns, read_stamps, seconds
 
-SCRIPT = Path(__file__).resolve().parent.parent / "_trivial.py"
+SCRIPTS = {
+    "trivial": Path(__file__).resolve().parent.parent / "_trivial.py",
+    "gloo": Path(__file__).resolve().parent.parent / "_gloo.py",
+}
 TO_USER = Metric("to_user", "ms to user code", scale=1000.0)
 
 
@@ -47,7 +51,7 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         "--nproc-per-node",
         str(ctx.n),
         *rendezvous,
-        str(SCRIPT),
+        str(SCRIPTS[str(ctx.params.get("script", "trivial"))]),
         str(ctx.workdir),
     ]
     env = dict(os.environ)
@@ -86,13 +90,37 @@ def _group(name: str, case: str, params: Params) -> Group:
             System("aioelastic-run", "aioelastic", f"{_M}:aio_run"),
             System("torchrun", "torch", f"{_M}:torchrun"),
         ),
-        rows=(Row(case, "aioelastic-run", "torchrun"),),
+        rows=(Row(case, "aioelastic-run", "torchrun", headline_n=1),),
         ns=(1, 4),
         quick_ns=(1,),
         default_reps=5,
         params=params,
         rep_timeout=150.0,
     )
+
+
+# N ranks that each import torch: ~1 s of wall time per rank on 2 cores, so 3 repetitions
+# and not in --quick.
+_REAL = Group(
+    name="gloo",
+    systems=(
+        System("aioelastic-run", "aioelastic", f"{_M}:aio_run", quick=False),
+        System("torchrun", "torch", f"{_M}:torchrun", quick=False),
+    ),
+    rows=(
+        Row(
+            "real script: import torch, gloo init, barrier, --standalone",
+            "aioelastic-run",
+            "torchrun",
+            headline_n=8,
+        ),
+    ),
+    ns=(8,),
+    quick_ns=(2,),
+    default_reps=3,
+    params={"standalone": True, "script": "gloo"},
+    rep_timeout=150.0,
+)
 
 
 MEASURE = Measure(
@@ -104,10 +132,13 @@ MEASURE = Measure(
         "`python -m aioelastic.run` vs `python -m torch.distributed.run` (torchrun), "
         "`--nproc-per-node N --standalone script.py` (the documented single-node form) and "
         "`--nproc-per-node N --master-port P script.py` (static rendezvous); the script stamps "
-        "the clock and exits."
+        "the clock and exits. Real script: every rank imports torch, calls "
+        "`init_process_group('gloo')` and passes a barrier; *to user code* is then launch to "
+        "the last rank past the barrier."
     ),
     groups=(
         _group("standalone", "trivial script, --standalone", {"standalone": True}),
         _group("static", "trivial script, --master-port P", {"standalone": False}),
+        _REAL,
     ),
 )

@@ -19,6 +19,16 @@ from benchmarks._util import free_port, make_fifo, read_stamp, read_stamps, seco
 from benchmarks.measures._common import aio, set_stdlib_forkserver_preload
 
 PRELOAD = ("torch",)
+#: What a knowledgeable torch user preloads: torch, the worker's own module and the module
+#: of torch's elastic wrapper that every worker runs (``_wrap``).
+FULL_PRELOAD = ("torch", "benchmarks._fn_torch", "torch.distributed.elastic.multiprocessing.api")
+
+
+def _preload(ctx: RepContext) -> tuple[str, ...]:
+    value = ctx.params.get("preload")
+    if value == "full":
+        return FULL_PRELOAD
+    return PRELOAD if value else ()
 
 
 def _outcome(ctx: RepContext) -> dict[str, float]:
@@ -38,7 +48,7 @@ def _common(ctx: RepContext) -> dict[str, object]:
         "rdzv_endpoint": f"127.0.0.1:{free_port()}",
         "rdzv_configs": {"rank": 0},
         "max_restarts": 1,
-        "monitor_interval": 0.1,
+        "monitor_interval": float(ctx.params.get("monitor_interval", 0.1)),
         "start_method": ctx.str_param("start_method"),
     }
 
@@ -48,7 +58,8 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
     launch = aio("aioelastic._elastic_launch")
     from benchmarks import _fn_torch
 
-    preload = PRELOAD if ctx.params.get("preload") else ()
+    # Our fork server imports only what it is asked to: torch's wrapper module is not ours.
+    preload = tuple(m for m in _preload(ctx) if not m.startswith("torch.distributed"))
     config = launch.LaunchConfig(
         **_common(ctx), log_dir=str(ctx.workdir / "logs"), forkserver_preload=preload
     )
@@ -63,8 +74,8 @@ def torch_agent(ctx: RepContext) -> dict[str, float]:
 
     from benchmarks import _fn_torch
 
-    if ctx.params.get("preload"):
-        set_stdlib_forkserver_preload(list(PRELOAD))
+    if _preload(ctx):
+        set_stdlib_forkserver_preload(list(_preload(ctx)))
     config = LaunchConfig(
         **_common(ctx),  # type: ignore[arg-type]
         logs_specs=DefaultLogsSpecs(log_dir=str(ctx.workdir / "logs")),
@@ -76,12 +87,19 @@ def torch_agent(ctx: RepContext) -> dict[str, float]:
 _M = "benchmarks.measures.restart"
 _SPAWN: Params = {"start_method": "spawn"}
 _FSP: Params = {"start_method": "forkserver", "preload": True}
+_FULL: Params = {"start_method": "forkserver", "preload": "full", "monitor_interval": 0.01}
 # Own driver names: the agent systems leave state (an imported worker module, a fork
 # server with its preload list) that must not leak into other measures' systems.
 # A spawn repetition starts N torch-importing workers twice (attempt 0 and 1): ~2N s of
 # wall time on 2 cores, hence few repetitions and N <= 8; the preloaded ones are cheap.
 _CHEAP = {1: 5, 4: 5, 8: 5, 16: 5}
 _SPAWN_REPS = {1: 3, 4: 3, 8: 2}
+
+_OURS_FULL = "aioelastic/forkserver+preload(torch, worker module) monitor_interval=0.01"
+_TORCH_FULL = (
+    "torch.elastic/stdlib forkserver+preload(torch, worker module, elastic wrapper) "
+    "monitor_interval=0.01"
+)
 
 MEASURE = Measure(
     name="restart",
@@ -91,7 +109,9 @@ MEASURE = Measure(
     notes=(
         "Single-node elastic_launch, static rendezvous, max_restarts=1, monitor_interval=0.1; "
         "workers import torch. forkserver+preload: aioelastic's `forkserver_preload=('torch',)`, "
-        "torch's side the stdlib `set_forkserver_preload(['torch'])`."
+        "torch's side the stdlib `set_forkserver_preload(['torch'])`. The fair row: both "
+        "preload torch and the worker's module (torch also its elastic wrapper's module) and "
+        "torch's agent polls every 0.01 s."
     ),
     groups=(
         Group(
@@ -123,7 +143,24 @@ MEASURE = Measure(
                     f"{_M}:aio_agent",
                     _FSP,
                     reps=_CHEAP,
+                    quick=False,
                     driver="agent aioelastic/forkserver+preload",
+                ),
+                System(
+                    _OURS_FULL,
+                    "aioelastic",
+                    f"{_M}:aio_agent",
+                    _FULL,
+                    reps=_CHEAP,
+                    driver="agent aioelastic/full-preload",
+                ),
+                System(
+                    _TORCH_FULL,
+                    "torch",
+                    f"{_M}:torch_agent",
+                    _FULL,
+                    reps=_CHEAP,
+                    driver="agent torch.elastic/full-preload",
                 ),
                 System(
                     "torch.elastic/forkserver+preload",
@@ -131,10 +168,18 @@ MEASURE = Measure(
                     f"{_M}:torch_agent",
                     _FSP,
                     reps=_CHEAP,
+                    quick=False,
                     driver="agent torch.elastic/forkserver+preload",
                 ),
             ),
             rows=(
+                Row(
+                    "fair: full preload, monitor_interval=0.01",
+                    _OURS_FULL,
+                    _TORCH_FULL,
+                    quick_min_ratio=0.7,
+                    headline_n=4,
+                ),
                 Row("spawn", "aioelastic/spawn", "torch.elastic/spawn"),
                 Row(
                     "forkserver+preload",
@@ -142,13 +187,18 @@ MEASURE = Measure(
                     "torch.elastic/forkserver+preload",
                 ),
                 Row(
-                    "ours forkserver+preload vs torch spawn",
+                    "ours forkserver+preload vs torch-defaults spawn",
                     "aioelastic/forkserver+preload",
                     "torch.elastic/spawn",
+                    headline_n=4,
                 ),
             ),
             ns=(1, 4, 8, 16),
-            quick_ns=(1,),
+            # --quick checks the fair row: warm servers, 3 repetitions, N=4 (a restart
+            # at N=1 is mostly rendezvous, the same on both sides).
+            quick_ns=(4,),
+            quick_reps=3,
+            quick_warmup=True,
             default_reps=3,
             # The first elastic run in a process pays one-time imports and set-up inside
             # the restart (torch: about 2 s more); the warm-up keeps them out.

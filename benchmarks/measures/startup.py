@@ -28,6 +28,31 @@ from benchmarks.measures._common import (
 )
 
 PRELOAD = ("torch",)
+#: What a knowledgeable user preloads: torch and the worker's own module; torch's side also
+#: the module of its elastic wrapper that every worker runs (``_wrap``).
+OURS_FULL = ("torch", "benchmarks._fn_torch")
+TORCH_FULL = (*OURS_FULL, "torch.distributed.elastic.multiprocessing.api")
+
+
+def _preload(ctx: RepContext, full: tuple[str, ...]) -> tuple[str, ...]:
+    value = ctx.params.get("preload")
+    if value == "full":
+        return full
+    return PRELOAD if value else ()
+
+
+def _stop_our_fork_server(preload: tuple[str, ...]) -> None:
+    # Cold: the next start pays for the server's interpreter and its imports again.
+    from aioelastic import _forkserver
+
+    _forkserver.fork_server(preload).close()
+    _forkserver._servers.pop(preload, None)
+
+
+def _stop_stdlib_fork_server() -> None:
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 def _elapsed(ctx: RepContext, start: int) -> dict[str, float]:
@@ -43,7 +68,9 @@ async def aio_fn(ctx: RepContext) -> dict[str, float]:
     core = aio_core()
     from benchmarks import _fn_torch
 
-    preload = PRELOAD if ctx.params.get("preload") else ()
+    preload = _preload(ctx, OURS_FULL)
+    if ctx.params.get("cold"):
+        _stop_our_fork_server(preload)
     start = now_ns()
     async with core.start_processes(
         name=NAME,
@@ -66,7 +93,9 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     from benchmarks import _fn_torch
 
     if ctx.params.get("preload"):
-        set_stdlib_forkserver_preload(list(PRELOAD))
+        set_stdlib_forkserver_preload(list(_preload(ctx, TORCH_FULL)))
+    if ctx.params.get("cold"):
+        _stop_stdlib_fork_server()
     start = now_ns()
     pc = start_processes(
         name=NAME,
@@ -148,6 +177,10 @@ _AIO, _EL, _MP = "aioelastic", "torch.elastic", "torch.mp"
 _SPAWN: Params = {"start_method": "spawn"}
 _FS: Params = {"start_method": "forkserver"}
 _FSP: Params = {"start_method": "forkserver", "preload": True}
+_FULL: Params = {"start_method": "forkserver", "preload": "full"}
+_FULL_COLD: Params = {**_FULL, "cold": True}
+_OURS_FULL = "aioelastic/forkserver+preload(torch, worker module)"
+_TORCH_FULL = "torch.elastic/stdlib forkserver+preload(torch, worker module, elastic wrapper)"
 
 # Costs on 2 cores: every spawned (or un-preloaded fork-server) worker imports torch,
 # about 1 s of wall time per worker once the cores are busy, so 32 such workers take
@@ -170,6 +203,25 @@ def _fn(family: str, variant: str, params: Params, **kwargs: Any) -> System:
     return System(label, kind, f"{_M}:{impl}", params, driver=f"startup-fn {label}", **kwargs)
 
 
+def _fair(label: str, impl: str, params: Params, state: str) -> System:
+    # One driver per system: cold repetitions stop the server that warm ones keep. A cold
+    # repetition imports torch in a new server (seconds): 3 of them, N <= 8, not in --quick.
+    kind: Kind = "aioelastic" if label.startswith(_AIO) else "torch"
+    full = f"{label} {state}"
+    if state == "cold":
+        return System(
+            full,
+            kind,
+            f"{_M}:{impl}",
+            params,
+            max_n=8,
+            quick=False,
+            reps={n: 3 for n in (1, 2, 4, 8)},
+            driver=f"startup-fn {full}",
+        )
+    return System(full, kind, f"{_M}:{impl}", params, reps=_CHEAP, driver=f"startup-fn {full}")
+
+
 MEASURE = Measure(
     name="startup",
     letter="a",
@@ -179,12 +231,19 @@ MEASURE = Measure(
         "fn: function workers whose module imports torch. forkserver+preload: aioelastic's "
         "`forkserver_preload=('torch',)`; torch's side uses the stdlib "
         "`multiprocessing.set_forkserver_preload(['torch'])` (torch has no parameter for it). "
-        "Fork servers are warm (one warm-up repetition first). bin: `python -S -c` binaries."
+        "Fork servers are warm (one warm-up repetition first). The fair rows: both sides "
+        "preload torch and the worker's module (torch also its elastic wrapper's module), "
+        "warm against warm and cold (server stopped before each repetition, untimed) "
+        "against cold. bin: `python -S -c` binaries."
     ),
     groups=(
         Group(
             name="fn",
             systems=(
+                _fair(_OURS_FULL, "aio_fn", _FULL, "warm"),
+                _fair(_TORCH_FULL, "torch_elastic_fn", _FULL, "warm"),
+                _fair(_OURS_FULL, "aio_fn", _FULL_COLD, "cold"),
+                _fair(_TORCH_FULL, "torch_elastic_fn", _FULL_COLD, "cold"),
                 _fn(_AIO, "spawn", _SPAWN),
                 _fn(_EL, "spawn", _SPAWN),
                 _fn(_MP, "spawn", _SPAWN, max_n=8, quick=False),
@@ -196,6 +255,18 @@ MEASURE = Measure(
                 _fn(_MP, "forkserver+preload", _FSP, reps=_CHEAP, quick=False),
             ),
             rows=(
+                Row(
+                    "fn fair: full preload, warm vs warm",
+                    f"{_OURS_FULL} warm",
+                    f"{_TORCH_FULL} warm",
+                    headline_n=8,
+                ),
+                Row(
+                    "fn fair: full preload, cold vs cold",
+                    f"{_OURS_FULL} cold",
+                    f"{_TORCH_FULL} cold",
+                    headline_n=8,
+                ),
                 Row("fn spawn", f"{_AIO}/spawn", f"{_EL}/spawn"),
                 Row("fn spawn", f"{_AIO}/spawn", f"{_MP}/spawn"),
                 Row("fn forkserver", f"{_AIO}/forkserver", f"{_EL}/forkserver"),
@@ -211,9 +282,10 @@ MEASURE = Measure(
                     f"{_MP}/forkserver+preload",
                 ),
                 Row(
-                    "fn ours forkserver+preload vs torch spawn",
+                    "fn ours forkserver+preload vs torch-defaults spawn",
                     f"{_AIO}/forkserver+preload",
                     f"{_EL}/spawn",
+                    headline_n=8,
                 ),
             ),
             ns=(1, 2, 4, 8, 16, 32),

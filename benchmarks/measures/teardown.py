@@ -58,7 +58,9 @@ MEASURE = Measure(
                 System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
                 System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
             ),
-            rows=(Row("bin after failure", "aioelastic/binary", "torch.elastic/binary"),),
+            rows=(
+                Row("bin after failure", "aioelastic/binary", "torch.elastic/binary", headline_n=8),
+            ),
             ns=(2, 8),
             quick_ns=(2,),
             default_reps=3,

@@ -132,7 +132,7 @@ MEASURE = Measure(
         Group(
             name="throughput",
             systems=_SYSTEMS,
-            rows=(Row("throughput", "aioelastic/binary", "torch.elastic/binary"),),
+            rows=(Row("throughput", "aioelastic/binary", "torch.elastic/binary", headline_n=4),),
             ns=(1, 4, 16),
             quick_ns=(2,),
             default_reps=3,
@@ -144,7 +144,7 @@ MEASURE = Measure(
         Group(
             name="latency",
             systems=_SYSTEMS,
-            rows=(Row("latency", "aioelastic/binary", "torch.elastic/binary"),),
+            rows=(Row("latency", "aioelastic/binary", "torch.elastic/binary", headline_n=16),),
             ns=(1, 16),
             quick_ns=(2,),
             default_reps=3,

@@ -1,0 +1,272 @@
+"""The watchdog process itself: run as a script, ``python -I -S _watchdog_process.py``.
+
+It imports only the standard library (a small interpreter, started in milliseconds) and
+never this package. See :mod:`aioelastic._watchdog` for what it is for; this file is the
+other end of its socket.
+
+Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
+
+* ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
+* ``B`` + a marshalled list of ``(argv, env, has_stdin)`` + 4 fds per entry [stdout,
+  stderr, cwd, status_w], and stdin as a 5th when ``has_stdin`` (else /dev/null) (``M`` +
+  the same with the list in a memfd, the last fd, when it is too large
+  for one message): start binary workers with ``posix_spawn`` (a vfork: its cost does not
+  grow with the size of any process), each in a new process group with default signal
+  dispositions and an empty signal mask. The answer is a marshalled list with
+  ``("P", pid)`` or ``("E", errno, message)`` per entry. Each group is watched before the
+  parent-death signal can be handled, so a supervisor SIGKILLed at any point of the start
+  leaves no orphan. The exit status is written to ``status_w`` when the worker exits; the
+  worker stays unreaped (its pid, hence its group id, cannot be reused) until
+* ``R<pid>``: reap that worker and stop watching its group.
+* end-of-file: the supervisor is gone; kill every watched group and exit.
+
+The parent-death signal (SIGUSR1, set with ``prctl``) does the same when the supervisor
+is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import ctypes.util
+import errno
+import marshal
+import os
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+
+_MAX_MSG = 1 << 20
+#: Starts per message: 4 or 5 fds each, under the kernel's 253 fds per SCM_RIGHTS message.
+MAX_BATCH = 32
+_STATUS = struct.Struct("=i")
+_DEATH_SIGNAL = signal.SIGUSR1
+#: Every signal a worker gets back at its default disposition (the watchdog ignores
+#: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
+_DEFAULT_SIGNALS = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+
+groups: set[int] = set()
+
+
+def kill_all(*_: object) -> None:
+    """Kill every watched process group and exit (the supervisor is gone)."""
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except OSError:
+            pass
+    os._exit(0)
+
+
+def _read_all(fd: int) -> bytes:
+    chunks = []
+    os.lseek(fd, 0, os.SEEK_SET)
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    os.close(fd)
+    return b"".join(chunks)
+
+
+def _returncode(info: os.waitid_result) -> int:
+    if info.si_code == os.CLD_EXITED:
+        return int(info.si_status)
+    return -int(info.si_status)
+
+
+def _executable(argv0: str, env: dict[str, str]) -> str:
+    # Like subprocess: a bare name is searched on the *worker's* PATH, not ours.
+    if os.sep in argv0:
+        return argv0
+    for directory in os.get_exec_path(env):
+        candidate = os.path.join(directory, argv0)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return argv0
+
+
+class _Server:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._selector = selectors.DefaultSelector()
+        self._status: dict[int, int] = {}  # pid -> status fd, until the exit is written
+        self._pidfds: dict[int, int] = {}
+        self._lock = threading.Lock()  # status writes from fallback waiter threads
+        self._use_pidfd = os.environ.get("AIOELASTIC_NO_PIDFD") != "1" and hasattr(os, "pidfd_open")
+        self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def serve(self) -> None:
+        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        while True:
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    if not self._handle_request():
+                        return
+                else:
+                    self._report_exit(key.data)
+
+    def _handle_request(self) -> bool:
+        # Not socket.recv_fds: before Python 3.13 it drops its flags argument, and every
+        # fd received here must be close-on-exec or the next worker inherits it.
+        fds = array.array("i")
+        try:
+            msg, ancdata, _, _ = self._sock.recvmsg(
+                _MAX_MSG,
+                socket.CMSG_LEN((5 * MAX_BATCH + 1) * fds.itemsize),
+                socket.MSG_CMSG_CLOEXEC,
+            )
+        except ConnectionResetError:
+            return False
+        for level, cmsg_type, data in ancdata:
+            if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+        if not msg:
+            return False
+        kind = msg[:1]
+        if kind == b"B":
+            self._spawn_batch(msg[1:], list(fds))
+        elif kind == b"M":
+            *request_fds, memfd = fds
+            self._spawn_batch(_read_all(memfd), request_fds)
+        elif kind == b"+":
+            groups.add(int(msg[1:]))
+        elif kind == b"-":
+            groups.discard(int(msg[1:]))
+        elif kind == b"R":
+            self._reap(int(msg[1:]))
+        return True
+
+    def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
+        requests = marshal.loads(body)
+        answers: list[tuple[object, ...]] = []
+        # A SIGKILLed supervisor must find every new group in `groups`: hold the
+        # parent-death signal from before the first process exists until the last is
+        # recorded. Fallback waiter threads are created meanwhile and inherit the block:
+        # a signal delivered to any thread runs its Python handler in the main thread at
+        # once, also inside a later spawn's window, so no other thread may take it.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
+        try:
+            taken = 0
+            for argv, env, has_stdin in requests:
+                stdout_fd, stderr_fd, cwd_fd, status_w = fds[taken : taken + 4]
+                stdin_fd = fds[taken + 4] if has_stdin else None
+                taken += 5 if has_stdin else 4
+                try:
+                    pid = self._spawn(argv, env, stdout_fd, stderr_fd, cwd_fd, stdin_fd)
+                except OSError as exc:
+                    os.close(status_w)
+                    answers.append(("E", exc.errno or errno.EIO, str(exc)))
+                    continue
+                finally:
+                    for fd in (stdout_fd, stderr_fd, cwd_fd, stdin_fd):
+                        if fd is not None:
+                            os.close(fd)
+                self._watch_exit(pid, status_w)
+                answers.append(("P", pid))
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
+        self._sock.sendmsg([marshal.dumps(answers)])
+
+    def _spawn(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        stdout_fd: int,
+        stderr_fd: int,
+        cwd_fd: int,
+        stdin_fd: int | None,
+    ) -> int:
+        os.fchdir(cwd_fd)
+        pid = os.posix_spawn(
+            _executable(argv[0], env),
+            argv,
+            env,
+            file_actions=[
+                (os.POSIX_SPAWN_DUP2, self._devnull if stdin_fd is None else stdin_fd, 0),
+                (os.POSIX_SPAWN_DUP2, stdout_fd, 1),
+                (os.POSIX_SPAWN_DUP2, stderr_fd, 2),
+            ],
+            setpgroup=0,
+            setsigmask=(),
+            setsigdef=_DEFAULT_SIGNALS,
+        )
+        groups.add(pid)
+        return pid
+
+    def _watch_exit(self, pid: int, status_w: int) -> None:
+        self._status[pid] = status_w
+        pidfd = os.pidfd_open(pid) if self._use_pidfd else None
+        if pidfd is not None:
+            self._pidfds[pid] = pidfd
+            self._selector.register(pidfd, selectors.EVENT_READ, pid)
+        else:
+            threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
+
+    def _wait_in_thread(self, pid: int) -> None:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        self._write_status(pid, _returncode(info))
+
+    def _report_exit(self, pid: int) -> None:
+        pidfd = self._pidfds[pid]
+        self._selector.unregister(pidfd)
+        info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        self._write_status(pid, _returncode(info))
+
+    def _write_status(self, pid: int, returncode: int) -> None:
+        with self._lock:
+            fd = self._status.pop(pid, None)
+            if fd is None:
+                return
+            try:
+                os.write(fd, _STATUS.pack(returncode))
+            except BrokenPipeError:
+                pass
+            os.close(fd)
+
+    def _reap(self, pid: int) -> None:
+        # Released only after the supervisor saw the exit and swept the group: the
+        # group id may be reused from now on, so it is no longer ours to kill.
+        groups.discard(pid)
+        try:
+            os.waitpid(pid, 0)
+        except ChildProcessError:
+            pass
+        with self._lock:
+            fd = self._status.pop(pid, None)
+            if fd is not None:
+                os.close(fd)
+        pidfd = self._pidfds.pop(pid, None)
+        if pidfd is not None:
+            try:
+                self._selector.unregister(pidfd)
+            except KeyError:
+                pass
+            os.close(pidfd)
+
+
+def main() -> None:
+    """``_watchdog_process.py PARENT_PID SOCKET_FD``."""
+    parent, sock_fd = int(sys.argv[1]), int(sys.argv[2])
+    signal.signal(_DEATH_SIGNAL, kill_all)
+    # Ctrl-C at a terminal reaches the supervisor's group: the safety net must stay.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        libc.prctl(1, int(_DEATH_SIGNAL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent:
+        kill_all()
+    sock = socket.socket(fileno=sock_fd)
+    sock.set_inheritable(False)  # passed to us inheritable; no worker may hold it
+    sock.sendmsg([b"K"])
+    _Server(sock).serve()
+    kill_all()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""i. Binary workers from a supervisor that imported torch, against the floor.
+
+Every real training controller has torch imported, and a supervisor that forks itself
+to start a binary pays for its whole address space: this measure runs every system in a
+driver that imported torch first. One repetition: N x ``/bin/true``, from the start call
+until the caller has every exit. ``per_worker`` is that time divided by N.
+
+- floor: ``os.posix_spawn`` (vfork+exec) N times, then ``waitpid`` each, in a
+  torch-loaded process: no supervisor at all.
+- aioelastic: ``run_processes``.
+- torch.elastic, period=0.01: ``start_processes`` + ``wait(period=0.01)``, the setting a
+  user who cares about latency picks; torch-defaults: ``wait()`` (period 1 s).
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
+from benchmarks._util import now_ns, seconds
+from benchmarks.measures._common import NAME, aio_core, check_success, envs_for, log_dir
+
+TRUE = "/bin/true"
+PER_WORKER = Metric("per_worker", "ms", scale=1000.0)
+
+
+def _torch_loaded() -> None:
+    import torch
+
+    assert torch.__version__  # the import is the point: the supervisor's image holds torch
+
+
+def _metrics(ctx: RepContext, elapsed_ns: int) -> dict[str, float]:
+    return {"seconds": seconds(elapsed_ns), "per_worker": seconds(elapsed_ns) / ctx.n}
+
+
+def floor_spawn(ctx: RepContext) -> dict[str, float]:
+    """N x posix_spawn of /bin/true from a torch-loaded process, to the last exit reaped."""
+    _torch_loaded()
+    env = dict(os.environ)
+    argv = [TRUE]
+    start = now_ns()
+    pids = [os.posix_spawn(TRUE, argv, env) for _ in range(ctx.n)]
+    for pid in pids:
+        _, status = os.waitpid(pid, 0)
+        if status != 0:
+            raise RuntimeError(f"{TRUE} exited with status {status}")
+    return _metrics(ctx, now_ns() - start)
+
+
+async def aio_bin(ctx: RepContext) -> dict[str, float]:
+    """aioelastic run_processes of N /bin/true from a torch-loaded process."""
+    _torch_loaded()
+    core = aio_core()
+    start = now_ns()
+    result = await core.run_processes(
+        name=NAME,
+        entrypoint=TRUE,
+        args={r: () for r in range(ctx.n)},
+        envs=envs_for(ctx.n),
+        log_dir=log_dir(ctx),
+    )
+    elapsed = now_ns() - start
+    check_success(result, "aioelastic")
+    return _metrics(ctx, elapsed)
+
+
+def torch_bin(ctx: RepContext) -> dict[str, float]:
+    """torch.distributed.elastic start_processes + wait(period) of N /bin/true."""
+    _torch_loaded()
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    period = ctx.params.get("period")
+    start = now_ns()
+    pc = start_processes(
+        name=NAME,
+        entrypoint=TRUE,
+        args={r: () for r in range(ctx.n)},
+        envs=envs_for(ctx.n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
+    )
+    try:
+        result = pc.wait() if period is None else pc.wait(period=float(period))
+    finally:
+        pc.close()
+    elapsed = now_ns() - start
+    check_success(result, "torch.elastic")
+    return _metrics(ctx, elapsed)
+
+
+_M = "benchmarks.measures.binary"
+FLOOR = "floor/posix_spawn (torch loaded)"
+OURS = "aioelastic/binary (torch loaded)"
+TORCH_FAST = "torch.elastic/binary wait(period=0.01) (torch loaded)"
+TORCH_DEFAULT = "torch.elastic/binary torch-defaults wait() period=1 (torch loaded)"
+
+MEASURE = Measure(
+    name="binary",
+    letter="i",
+    title="N x /bin/true from a torch-loaded supervisor, call to every exit seen",
+    metrics=(PER_WORKER, SECONDS),
+    notes=(
+        "Every system runs in a driver that imported torch. floor: `os.posix_spawn` + "
+        "`waitpid`, no supervisor. torch.elastic: `start_processes` + `wait(period=0.01)`; "
+        "torch-defaults: `wait()` (period 1 s). per_worker = total / N. A ratio vs the "
+        "floor of 0.5 is the target (ours at most 2x the floor)."
+    ),
+    groups=(
+        Group(
+            name="bin",
+            systems=(
+                System(FLOOR, "floor", f"{_M}:floor_spawn", driver="binary floor"),
+                System(OURS, "aioelastic", f"{_M}:aio_bin", driver="binary aioelastic"),
+                System(
+                    TORCH_FAST,
+                    "torch",
+                    f"{_M}:torch_bin",
+                    {"period": 0.01},
+                    driver="binary torch",
+                ),
+                System(
+                    TORCH_DEFAULT,
+                    "torch",
+                    f"{_M}:torch_bin",
+                    quick=False,
+                    max_n=64,
+                    reps={8: 3, 64: 3},
+                    driver="binary torch",
+                ),
+            ),
+            rows=(
+                Row("bin, torch period=0.01", OURS, TORCH_FAST, quick_min_ratio=0.5, headline_n=8),
+                Row("bin, torch-defaults", OURS, TORCH_DEFAULT, headline_n=8),
+                Row(
+                    "bin vs floor (target >= 0.5)",
+                    OURS,
+                    FLOOR,
+                    quick_min_ratio=0.25,
+                    headline_n=256,
+                ),
+            ),
+            ns=(8, 32, 64, 128, 256),
+            # --quick checks the 8-binary job (the claim against torch); flatness up to
+            # N=256 is for the full run.
+            quick_ns=(8,),
+            default_reps=5,
+            # A repetition costs ~50 ms: 9 of them tame the shared machine's noise.
+            quick_reps=9,
+            quick_warmup=True,  # the first start of a supervisor also starts its watchdog
+        ),
+    ),
+)

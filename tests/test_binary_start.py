@@ -1,0 +1,234 @@
+"""Binary workers are started by the watchdog with ``posix_spawn``, never by a fork of us.
+
+What that path must keep: the worker's own process group, default signal dispositions
+and an empty mask, our current working directory and stdout, exec errors reported as
+such, and a worker that is killed — not orphaned — when the watchdog or the supervisor
+dies at any point of a start.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aioelastic
+from aioelastic import _launchers, _platform
+from aioelastic._watchdog import watchdog
+from tests.waits import ReadyFifo, is_running, process_state
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+#: glibc's posix_spawn leaves its two internal signals (32, 33) ignored in every child it
+#: starts, whatever it is asked; a glibc program installs its own handlers for them.
+_GLIBC_INTERNAL = (1 << 31) | (1 << 32)
+
+
+def _status_fields(text: str) -> dict[str, str]:
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+@pytest.fixture
+def fresh_watchdog(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    """A watchdog started for this test (with or without pidfds), stopped after it."""
+    watchdog.stop()
+    if getattr(request, "param", "pidfd") == "waitid-thread":
+        monkeypatch.setenv(_platform.NO_PIDFD_ENV, "1")
+    _platform.pidfd_supported.cache_clear()
+    yield
+    watchdog.stop()
+    monkeypatch.delenv(_platform.NO_PIDFD_ENV, raising=False)
+    _platform.pidfd_supported.cache_clear()
+
+
+@pytest.mark.parametrize("fresh_watchdog", ["pidfd", "waitid-thread"], indirect=True)
+async def test_binary_worker_is_the_watchdogs_child_in_its_own_group_with_clean_signals(
+    tmp_path: Path, fresh_watchdog: None
+) -> None:
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        started = time.monotonic()
+        result = await aioelastic.run_processes(
+            "status",
+            "/bin/cat",
+            {0: ("/proc/self/status",)},
+            {0: {}},
+            redirects=aioelastic.Std.OUT,
+            log_dir=tmp_path,
+        )
+        elapsed = time.monotonic() - started
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR2})
+        signal.signal(signal.SIGHUP, previous)
+    assert not result.is_failed()
+    assert elapsed < 20
+    fields = _status_fields(Path(result.stdouts[0]).read_text())
+    assert int(fields["PPid"]) == watchdog.pid
+    assert int(fields["SigBlk"], 16) == 0
+    assert int(fields["SigIgn"], 16) & ~_GLIBC_INTERNAL == 0
+    assert int(fields["SigCgt"], 16) == 0
+    # Its own group: cat is the group leader (field 5 of /proc/self/stat is the pgrp).
+    assert fields["Pid"] not in (str(os.getpid()), str(os.getpgrp()))
+
+
+async def test_binary_worker_inherits_no_fd_but_its_stdio(tmp_path: Path) -> None:
+    result = await aioelastic.run_processes(
+        "fds",
+        "/bin/ls",
+        {rank: ("/proc/self/fd",) for rank in range(3)},
+        {rank: {} for rank in range(3)},
+        redirects=aioelastic.Std.OUT,
+        log_dir=tmp_path,
+    )
+    assert not result.is_failed()
+    for rank in range(3):
+        # 0-2 are stdio; 3 is ls's own handle on the directory it lists.
+        assert Path(result.stdouts[rank]).read_text().split() == ["0", "1", "2", "3"]
+
+
+async def test_many_concurrent_starts_with_large_environments_each_get_their_own(
+    tmp_path: Path,
+) -> None:
+    # Concurrent starts share messages to the watchdog, and environments this large travel
+    # in a memfd: every worker must still get exactly its own argv and environment.
+    n = 40
+    started = time.monotonic()
+    result = await aioelastic.run_processes(
+        "big",
+        "/bin/sh",
+        {rank: ("-c", 'printf "%s %s" "$1" "${#BIG}"', "sh", str(rank)) for rank in range(n)},
+        {rank: {"BIG": "x" * (70_000 + rank)} for rank in range(n)},
+        redirects=aioelastic.Std.OUT,
+        log_dir=tmp_path,
+    )
+    assert time.monotonic() - started < 40
+    assert not result.is_failed()
+    outputs = {rank: Path(path).read_text() for rank, path in result.stdouts.items()}
+    assert outputs == {rank: f"{rank} {70_000 + rank}" for rank in range(n)}
+
+
+async def test_binary_runs_in_our_current_directory_and_writes_to_our_current_stdout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    watchdog.ensure_started()  # the watchdog's own directory and stdout are older
+    monkeypatch.chdir(tmp_path)
+    result = await aioelastic.run_processes("pwd", "pwd", {0: ()}, {0: {}})
+    assert not result.is_failed()
+    assert capfd.readouterr().out == f"{tmp_path}\n"
+
+
+async def test_exec_failure_is_reported_with_its_errno_and_nothing_is_left(tmp_path: Path) -> None:
+    script = tmp_path / "not-executable"
+    script.write_text("#!/bin/sh\n")
+    script.chmod(0o644)
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        started = time.monotonic()
+        with pytest.raises(
+            PermissionError, match=r"Permission denied.*starting '.*not-executable'"
+        ):
+            _launchers.start_binary([str(script)], dict(os.environ), None, err_w)
+        assert time.monotonic() - started < 10
+        with pytest.raises(FileNotFoundError, match=r"starting '/no/such/binary'"):
+            _launchers.start_binary(["/no/such/binary"], dict(os.environ), None, err_w)
+    finally:
+        os.close(err_r)
+        os.close(err_w)
+
+
+@pytest.mark.parametrize("fresh_watchdog", ["pidfd", "waitid-thread"], indirect=True)
+async def test_watchdog_killed_under_a_running_binary_kills_it_and_reports_it(
+    tmp_path: Path, fresh_watchdog: None
+) -> None:
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "sleeper",
+            "/bin/sh",
+            {0: ("-c", f"echo ready > {fifo.path}; exec sleep 600")},
+            {0: {}},
+            grace_period=1,
+        ) as ctx:
+            await fifo.lines(1)
+            (pid,) = ctx.pids().values()
+            assert is_running(pid)
+            assert watchdog.pid is not None
+            os.kill(watchdog.pid, signal.SIGKILL)
+            with anyio.fail_after(20):
+                result = await ctx.wait()
+        assert result.failures[0].exitcode == -signal.SIGKILL
+        assert not is_running(pid)  # killed (its new parent reaps it when it will)
+        # The next start brings a new watchdog up.
+        again = await aioelastic.run_processes("true", "true", {0: ()}, {0: {}})
+        assert not again.is_failed()
+    finally:
+        fifo.close()
+
+
+def _marked(marker: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if marker.encode() in cmdline and process_state(int(entry)) not in (None, "Z"):
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("kill_after", "exit_watch"),
+    [(1, "pidfd"), (5, "pidfd"), (20, "pidfd"), (5, "waitid-thread"), (20, "waitid-thread")],
+)
+async def test_supervisor_sigkilled_while_starting_binaries_leaves_no_orphan(
+    kill_after: int, exit_watch: str
+) -> None:
+    # The supervisor starts binaries in a loop and is SIGKILLed mid-stream, so that the
+    # kill lands inside some start: every binary it created must still die.
+    marker = f"aioelastic-orphan-check-{os.getpid()}-{kill_after}-{exit_watch}"
+    env = dict(os.environ)
+    if exit_watch == "waitid-thread":
+        env[_platform.NO_PIDFD_ENV] = "1"  # the watchdog waits with threads
+    proc = await anyio.open_process(
+        [sys.executable, "-m", "tests.children.binary_loop", marker],
+        stdout=subprocess.PIPE,
+        stderr=None,
+        env=env,
+    )
+    assert proc.stdout is not None
+    seen = b""
+    with anyio.fail_after(30):
+        while seen.count(b"\n") < kill_after:
+            seen += await proc.stdout.receive()
+    proc.send_signal(signal.SIGKILL)
+    await proc.wait()
+    await proc.aclose()
+    with anyio.fail_after(20):
+        for pid in _marked(marker):
+            await _exits(pid)
+    assert _marked(marker) == []
+
+
+async def _exits(pid: int) -> None:
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
