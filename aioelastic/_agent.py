@@ -32,10 +32,8 @@ import logging
 import math
 import os
 import random
-import shutil
 import signal
 import string
-import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import AsyncExitStack
@@ -45,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from . import _log_root as log_root
 from . import _values as values
 from ._agent_env import worker_env
 from ._backend import require_asyncio
@@ -558,7 +557,7 @@ class LocalElasticAgent:
 
     def _prepare_log_root(self) -> None:
         if self._config.log_dir is None:
-            self._log_root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{self._spec.role}_"))
+            self._log_root = log_root.make_temporary(self._spec.role)
             logger.info("agent logs are in %s", self._log_root)
             return
         root = self._config.log_dir
@@ -575,18 +574,9 @@ class LocalElasticAgent:
         self._log_root = root
 
     def _drop_empty_temporary_logs(self) -> None:
-        """Remove a temporary log root that received no file (nothing redirected or failed).
-
-        One that holds a log or an error file is the user's now and is kept, as torch keeps
-        its ``torchelastic_*`` directories.
-        """
-        root = self._log_root
-        if self._config.log_dir is not None or root is None:
-            return
-        if any(files for _, _, files in os.walk(root)):
-            logger.info("agent logs kept in %s", root)
-            return
-        shutil.rmtree(root, ignore_errors=True)
+        """Remove a temporary log root that received no file (see `aioelastic._log_root`)."""
+        if self._config.log_dir is None and self._log_root is not None:
+            log_root.remove_if_empty(self._log_root, f"agent {self._spec.role!r}")
 
     async def _open_rendezvous(self) -> NodeRendezvous:
         spec = self._spec

@@ -25,16 +25,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
 import tempfile
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 import anyio
 
+from . import _log_root as log_root
 from ._cli_args import LaunchPlan, parse_args, plan_from_args, usage_error
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
 from ._narrate import LauncherFormatter
@@ -145,8 +146,8 @@ async def _launch(plan: LaunchPlan, config: Any, entrypoint: Any, args: tuple[st
             return 1
         return 0
     finally:
-        if temporary and not _holds_files(job_dir):
-            shutil.rmtree(job_dir, ignore_errors=True)
+        if temporary:
+            log_root.remove_if_empty(Path(job_dir), "this run")
 
 
 def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tuple[str, ...]]:
@@ -225,7 +226,7 @@ def _job_log_dir(plan: LaunchPlan) -> tuple[str, bool]:
         job_dir = tempfile.mkdtemp(prefix=f"{plan.run_id}_", dir=plan.log_dir)
         logger.info("logs of this run are in %s", job_dir)
         return job_dir, False
-    job_dir = tempfile.mkdtemp(prefix="aioelastic-run_")
+    job_dir = str(log_root.make_temporary("run"))
     if _redirects_anything(plan):
         print(f"{PROG}: logs of this run are in {job_dir}", file=sys.stderr)
         return job_dir, False
@@ -236,10 +237,6 @@ def _redirects_anything(plan: LaunchPlan) -> bool:
     if isinstance(plan.redirects, Std):
         return bool(plan.redirects)
     return any(plan.redirects.values())
-
-
-def _holds_files(directory: str) -> bool:
-    return any(files for _, _, files in os.walk(directory))
 
 
 def _report_launcher_error(error: Exception) -> None:
