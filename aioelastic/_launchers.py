@@ -140,8 +140,10 @@ def start_binary(
                 **_platform.new_group_popen_kwargs(_binary_preexec(os.getpid())),
             )
         )
-    launched = Launched(popen.pid, _watch_or_kill(popen.pid))
-    _disown(popen)
+    try:
+        launched = Launched(popen.pid, _watch_or_kill(popen.pid))
+    finally:
+        _disown(popen)
     return launched
 
 
@@ -223,9 +225,10 @@ def start_spawn(
     except BaseException:
         os.close(payload_w)
         raise
-    launched = Launched(popen.pid, watch, payload_fd=payload_w)
-    _disown(popen)
-    return launched
+    finally:
+        # Reaped by us either way: subprocess must never poll this pid (see _disown).
+        _disown(popen)
+    return Launched(popen.pid, watch, payload_fd=payload_w)
 
 
 def flush_std_streams() -> None:
