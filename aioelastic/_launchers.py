@@ -219,9 +219,10 @@ def start_spawn(
     except BaseException:
         os.close(payload_w)
         raise
-    launched = Launched(popen.pid, watch, payload_fd=payload_w)
-    _disown(popen)
-    return launched
+    finally:
+        # Reaped by us either way: subprocess must never poll this pid (see _disown).
+        _disown(popen)
+    return Launched(popen.pid, watch, payload_fd=payload_w)
 
 
 def flush_std_streams() -> None:
