@@ -14,13 +14,11 @@ import functools
 import logging
 import os
 import pickle
-import re
 import resource
 import shutil
 import signal
 import socket
 import string
-import tempfile
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
@@ -33,6 +31,7 @@ import anyio.abc
 import anyio.to_thread
 
 from . import _launchers, _platform
+from . import _log_root as log_root
 from ._backend import require_asyncio
 from ._bootstrap import FunctionCall
 from ._console import console
@@ -194,11 +193,7 @@ class PContext:
     def _prepare(self) -> dict[int, _Prepared]:
         """Log directories, environments and pickled calls: all that can fail, before a start."""
         spec = self._spec
-        if spec.log_dir is None:
-            _remove_stale_temporary_roots()
-            root = Path(tempfile.mkdtemp(prefix=f"aioelastic_{spec.name}_p{os.getpid()}_"))
-        else:
-            root = spec.log_dir
+        root = log_root.make_temporary(spec.name) if spec.log_dir is None else spec.log_dir
         try:
             prepared = {rank: self._prepare_rank(rank, root) for rank in range(spec.nprocs)}
         except BaseException:
@@ -672,23 +667,9 @@ class PContext:
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
-        """Remove the temporary log directory unless it holds something to keep.
-
-        Logs and error files are never deleted: only a directory that stayed empty (no
-        stream redirected, no worker wrote an error file) is removed.
-        """
-        root = self._log_root
-        if not self._temporary_log_root or root is None:
-            return
-        try:
-            if _holds_files(root):
-                logger.info("aioelastic: logs and error files of %r kept in %s", self.name, root)
-                return
-        except OSError as exc:
-            # Cannot look (EMFILE): keep it; a later start removes it if it stayed empty.
-            logger.warning("aioelastic: temporary log directory %s kept: %s", root, exc)
-            return
-        shutil.rmtree(root, ignore_errors=True)
+        """Remove the temporary log directory unless it holds something to keep."""
+        if self._temporary_log_root and self._log_root is not None:
+            log_root.remove_if_empty(self._log_root, repr(self.name))
 
     async def __aexit__(
         self,
@@ -702,48 +683,6 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
-
-
-#: A temporary log root: ``aioelastic_{name}_p{owner pid}_{random}``.
-_TEMPORARY_ROOT = re.compile(r"aioelastic_.*_p(\d+)_[^_]+")
-
-
-def _remove_stale_temporary_roots() -> None:
-    """Remove the empty temporary log roots of supervisors that died (SIGKILL, OOM).
-
-    Error files are written by the workers themselves, so a root must exist before they
-    start and cannot be created lazily; a supervisor that is killed leaves it behind. Only
-    a root whose owner pid is gone and that holds no file is removed: logs and error
-    files are never deleted.
-    """
-    tmp = Path(tempfile.gettempdir())
-    try:
-        entries = list(tmp.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        match = _TEMPORARY_ROOT.fullmatch(entry.name)
-        if match is None or _pid_alive(int(match.group(1))):
-            continue
-        try:
-            if entry.is_dir() and not entry.is_symlink() and not _holds_files(entry):
-                shutil.rmtree(entry, ignore_errors=True)
-        except OSError:
-            continue
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # EPERM: alive, someone else's
-    return True
-
-
-def _holds_files(root: Path) -> bool:
-    return any(not path.is_dir() or path.is_symlink() for path in root.rglob("*"))
 
 
 def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
