@@ -22,6 +22,7 @@ import asyncio
 import math
 import os
 import re
+import time
 from collections import deque
 from pathlib import Path
 
@@ -78,6 +79,9 @@ class StreamPump:
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
+        #: CLOCK_MONOTONIC time of the last chunk read, and its end (for stall reports).
+        self.last_output: float | None = None
+        self.last_chunk = b""
 
     def open_log(self) -> None:
         """Create the log file; refuses to overwrite one (``O_EXCL``)."""
@@ -173,6 +177,8 @@ class StreamPump:
         return [_last_drawn(line).decode("utf-8", "replace") for line in lines[-TAIL_LINES:]]
 
     def _consume(self, chunk: bytes) -> None:
+        self.last_output = time.monotonic()
+        self.last_chunk = chunk[-256:]
         if self._log_fd is not None:
             _write_all(self._log_fd, chunk)
         if self._console is None and self.tail is None:
