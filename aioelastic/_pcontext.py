@@ -32,6 +32,7 @@ from ._bootstrap import FunctionCall
 from ._console import console
 from ._errors import ProcessFailure
 from ._forkserver import fork_server
+from ._hangs import HangConfig, HangGuard, WorkerHooks
 from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
@@ -65,8 +66,12 @@ class PContext:
     entered and are all stopped when it is left, however it is left.
     """
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, hangs: HangConfig | None = None) -> None:
         self._spec = spec
+        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs)
+        #: Why a rank was found hung (timer expiry, stall): the head of its failure.
+        self._hang_texts: dict[int, str] = {}
+        self._hang_scope = anyio.CancelScope()
         self._workers: dict[int, WorkerProcess] = {}
         self._failures: dict[int, ProcessFailure] = {}
         self._return_values: dict[int, Any] = {}
@@ -102,7 +107,12 @@ class PContext:
         if self._entered:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
-        prepared = self._prepare()
+        self._hangs.open()
+        try:
+            prepared = self._prepare()
+        except BaseException:
+            self._hangs.close()
+            raise
         await _launchers.on_launcher_thread(watchdog.ensure_started)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -113,6 +123,7 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
+        self._tg.start_soon(self._run_hangs)
         if self._failures:
             # A worker failed while its siblings were still starting: its teardown was
             # held back until now, so that it covers every worker that was started.
@@ -146,6 +157,7 @@ class PContext:
         spec = self._spec
         error_file = str(root / str(rank) / "error.json")
         env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
+        env.update(self._hangs.worker_env(rank))
         if spec.is_binary:
             return _Prepared(env, error_file, None)
         assert callable(spec.entrypoint)
@@ -209,6 +221,7 @@ class PContext:
             for fd in child_ends:
                 os.close(fd)
         watchdog.watch(launched.pid)
+        self._hangs.started(rank, launched.pid)
         worker = WorkerProcess(
             local_rank=rank,
             launched=launched,
@@ -324,6 +337,7 @@ class PContext:
             returncode = await worker.launched.watch.wait()
         worker.exit_time = time.time()
         worker.returncode = returncode
+        self._hangs.exited(worker.pid)
         worker.drain_output()
         worker.exited.set()
         self._on_exit(worker)
@@ -335,7 +349,7 @@ class PContext:
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
                 self._record_failure(worker, problem)
-        elif not worker.signalled:
+        elif not worker.signalled or worker.local_rank in self._hang_texts:
             self._record_failure(worker, None)
         if self._failures or len(self._return_values) == self.nprocs:
             self._done.set()
@@ -365,12 +379,37 @@ class PContext:
         )
         if problem is not None:
             failure.message = f"worker {worker.local_rank} {problem}"
+        hang = self._hang_texts.get(worker.local_rank)
+        if hang is not None:
+            failure.message = f"{hang.rstrip()}\n{failure.message}"
         first = not self._failures
         self._failures[worker.local_rank] = failure
         if first and self._started and self._tg is not None:
             # A failed group is torn down the moment the failure is seen, whether or not
             # anyone is in wait() right now.
             self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
+
+    # -- hangs ------------------------------------------------------------------------
+
+    async def dump_stacks(self, timeout: float | None = None) -> dict[int, str]:
+        """Every thread's Python stack of each running worker, without stopping them.
+
+        Returns ``{local_rank: text}``; a worker that does not answer within ``timeout``
+        seconds (5 by default) maps to a line saying so. See docs/hangs.md.
+        """
+        running = {r: w.pid for r, w in sorted(self._workers.items()) if w.returncode is None}
+        return await self._hangs.dump_stacks(running, timeout)
+
+    async def _run_hangs(self) -> None:
+        assert self._tg is not None
+        tg = self._tg
+        hooks = WorkerHooks(
+            self._workers,
+            self._hang_texts,
+            lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+        )
+        with self._hang_scope:
+            await self._hangs.run(hooks)
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -430,6 +469,7 @@ class PContext:
             await self._stopped.wait()
             return
         self._stopping = True
+        self._hang_scope.cancel()
         try:
             with anyio.CancelScope(shield=True):
                 await stop_workers(
@@ -459,6 +499,7 @@ class PContext:
                 worker.result.close()
         for stream in (console("stdout"), console("stderr")):
             await stream.flush()
+        self._hangs.close()
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
@@ -519,6 +560,7 @@ def start_processes(
     forkserver_preload: Collection[str] = (),
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -537,6 +579,10 @@ def start_processes(
         forkserver_preload: Modules the fork server imports once for all workers.
         local_ranks_filter: Ranks whose console output is shown (all when ``None``).
         log_line_prefix: Template with ``${role_name} ${rank} ${local_rank} ${hostname}``.
+        stall_timeout: Seconds without output or timer request from any worker after
+            which the group is reported stalled, with every stack, and stopped (off when
+            ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
+            torch's file timer. See docs/hangs.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -555,7 +601,7 @@ def start_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
     )
-    return PContext(spec)
+    return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
 
 async def run_processes(
@@ -572,6 +618,7 @@ async def run_processes(
     forkserver_preload: Collection[str] = (),
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -587,6 +634,7 @@ async def run_processes(
         forkserver_preload=forkserver_preload,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
+        stall_timeout=stall_timeout,
     )
     async with ctx:
         result = await ctx.wait()

@@ -26,10 +26,8 @@ import faulthandler
 import importlib.machinery
 import io
 import os
-import runpy
 import signal
 import sys
-import types
 
 #: The signal that asks a worker for its stacks.
 STACK_SIGNAL = signal.SIGURG
@@ -75,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args:
         raise SystemExit("usage: python -m aioelastic._stack_hook (SCRIPT | -m MODULE) [ARGS]")
     install_from_env()
+    import runpy  # here, not at the top: function workers import this module too
+
     if args[0] == "-m":
         if len(args) < 2:
             raise SystemExit("usage: python -m aioelastic._stack_hook -m MODULE [ARGS]")
@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     # where -m put the current directory.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     if os.path.isdir(script):
+        import runpy
+
         runpy.run_path(script, run_name="__main__")  # a directory with __main__.py
         return
     _run_file_as_main(script)
@@ -104,9 +106,11 @@ def _run_file_as_main(script: str) -> None:
         source = f.read()
     if b"\0" in source:
         # Not source text (which cannot hold NUL): a zip application with __main__.py.
+        import runpy
+
         runpy.run_path(script, run_name="__main__")
         return
-    main_module = types.ModuleType("__main__")
+    main_module = type(sys)("__main__")
     main_module.__file__ = path
     main_module.__cached__ = None  # type: ignore[attr-defined]
     main_module.__builtins__ = builtins  # type: ignore[attr-defined]

@@ -60,7 +60,9 @@ class Expiry:
 
     def reason(self) -> str:
         """The failure text: ``timer expired after 2s (scope 'step')``."""
-        return f"timer expired after {self.after:.3g}s (scope {self.scope!r})"
+        # To a tenth: the request reaches us a few ms after the worker computed its
+        # deadline, and "after 0.981s" for expires(after=1) would only puzzle.
+        return f"timer expired after {round(self.after, 1):g}s (scope {self.scope!r})"
 
 
 @dataclass

@@ -16,8 +16,10 @@ import anyio
 import anyio.abc
 import pytest
 
+import aioelastic
 from aioelastic._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
 from aioelastic._stacks import StackChannel, StackChannels
+from tests.children import hangs
 from tests.waits import ReadyFifo, is_running
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,3 +231,57 @@ def test_stack_signal_is_ignored_by_default() -> None:
     assert STACK_SIGNAL == signal.SIGURG
     assert signal.getsignal(STACK_SIGNAL) == signal.SIG_DFL
     assert STACK_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM)
+
+
+# -- through the group: ctx.dump_stacks() --------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("method", ["spawn", "fork", "forkserver"])
+async def test_dump_stacks_of_running_function_workers(tmp_path: Path, method: str) -> None:
+    ready = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "stuck",
+            hangs.stuck,
+            {0: (str(ready.path), "event"), 1: (str(ready.path), "read")},
+            {0: {}, 1: {}},
+            start_method=method,
+            grace_period=5,
+        ) as ctx:
+            await ready.lines(2)
+            begin = time.monotonic()
+            stacks = await ctx.dump_stacks(timeout=10)
+            assert time.monotonic() - begin < 5
+            assert set(stacks) == {0, 1}
+            assert "in stuck_in_event_wait" in stacks[0]
+            assert "in stuck_in_blocking_read" in stacks[1]
+            # Not stopped: still running, and nothing reported yet.
+            assert await ctx.wait(timeout=0) is None
+            assert all(is_running(pid) for pid in ctx.pids().values())
+    finally:
+        ready.close()
+
+
+@pytest.mark.asyncio
+async def test_dump_stacks_of_a_script_worker_and_of_an_exited_one(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    argv = script_argv(sys.executable, HANGS, [str(ready.path), "sleep"])
+    try:
+        async with aioelastic.start_processes(
+            "script",
+            argv[0],
+            {0: tuple(argv[1:]), 1: ("-c", "pass")},
+            {0: {}, 1: {}},
+            grace_period=5,
+        ) as ctx:
+            await ready.lines(1)
+            # Rank 1 exits at once; a finished worker is not running, so not asked.
+            with anyio.fail_after(30):
+                await ctx._workers[1].exited.wait()
+            stacks = await ctx.dump_stacks(timeout=10)
+            assert list(stacks) == [0]
+            assert "in stuck_in_sleep" in stacks[0]
+            assert "<module>" in stacks[0]
+    finally:
+        ready.close()

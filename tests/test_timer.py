@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,8 +18,11 @@ import anyio
 import anyio.abc
 import pytest
 
+import aioelastic
 import aioelastic.timer
+from aioelastic._stack_hook import script_argv
 from aioelastic._timer_server import Expiry, TimerServer
+from tests.children import hangs
 from tests.waits import ReadyFifo
 
 pytestmark = pytest.mark.timeout(90)
@@ -277,3 +281,108 @@ async def test_default_scope_is_the_callers_file_and_line(
         with anyio.fail_after(10):
             while server.armed():
                 await server.changed()
+
+
+# -- through the group: TORCHELASTIC_ENABLE_FILE_TIMER=1 ------------------------------
+
+
+@pytest.fixture
+def file_timer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("file_timer")
+@pytest.mark.parametrize(("client", "method"), [("torch", "spawn"), ("ours", "forkserver")])
+async def test_expired_function_worker_fails_with_reason_and_stack(
+    tmp_path: Path, client: str, method: str
+) -> None:
+    ready = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "timed",
+            hangs.stuck,
+            # Rank 0 is stuck without a timer: it is stopped, not failed.
+            {0: (str(ready.path), "sleep"), 1: (str(ready.path), "event", client, 1.0)},
+            {0: {}, 1: {}},
+            log_dir=tmp_path / "logs",
+            redirects=aioelastic.Std.ALL,
+            start_method=method,
+            grace_period=5,
+        ) as ctx:
+            await ready.lines(2, timeout=60)
+            armed = time.monotonic()
+            with anyio.fail_after(1.0 + 2.0 + 5.0):
+                result = await ctx.wait()
+            caught = time.monotonic() - armed
+    finally:
+        ready.close()
+    assert result is not None
+    assert list(result.failures) == [1]
+    failure = result.failures[1]
+    assert failure.exitcode == -signal.SIGKILL
+    assert failure.message.startswith("timer expired after ")
+    assert "s (scope 'training_step')\n" in failure.message
+    assert "in stuck_in_event_wait" in failure.message
+    assert caught < 1.0 + 2.0
+    log = (tmp_path / "logs" / "1" / "stderr.log").read_text()
+    assert "[aioelastic] timer expired after " in log
+    assert "in stuck_in_event_wait" in log
+    assert not list(Path(tempfile.gettempdir()).glob("aioelastic_timer_*"))
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("file_timer")
+@pytest.mark.parametrize("client", ["torch", "ours"])
+async def test_unchanged_script_arming_a_timer_is_caught(tmp_path: Path, client: str) -> None:
+    ready = ReadyFifo(tmp_path)
+    argv = script_argv(sys.executable, HANGS, [str(ready.path), "read", client, "1.0"])
+    try:
+        async with aioelastic.start_processes(
+            "script", argv[0], {0: tuple(argv[1:])}, {0: {}}, grace_period=5
+        ) as ctx:
+            await ready.lines(1, timeout=60)
+            armed = time.monotonic()
+            with anyio.fail_after(10):
+                result = await ctx.wait()
+            assert time.monotonic() - armed < 1.0 + 2.0
+    finally:
+        ready.close()
+    assert result is not None
+    message = result.failures[0].message
+    assert message.startswith("timer expired after ")
+    assert "in stuck_in_blocking_read" in message
+    assert "<module>" in message
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("file_timer")
+async def test_quiet_but_armed_and_busy_workers_are_left_alone(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    try:
+        result = await aioelastic.run_processes(
+            "fine",
+            hangs.quiet_but_armed,
+            {0: (str(ready.path), "ours", 5.0, 1.5), 1: (str(ready.path), "torch", 5.0, 0.5)},
+            {0: {}, 1: {}},
+            grace_period=5,
+        )
+    finally:
+        ready.close()
+    assert not result.is_failed()
+    assert result.return_values == {0: "done", 1: "done"}
+
+
+@pytest.mark.asyncio
+async def test_timer_without_the_switch_is_not_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As with torchrun: without TORCHELASTIC_ENABLE_FILE_TIMER=1 there is no server and no
+    # TORCHELASTIC_TIMER_FILE, so a worker arming a timer fails by itself.
+    monkeypatch.delenv("TORCHELASTIC_ENABLE_FILE_TIMER", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    result = await aioelastic.run_processes(
+        "off", hangs.armed_but_finishes, {0: ("/nonexistent", "ours", 1.0, 0.0)}, {0: {}}
+    )
+    assert "RuntimeError: TORCHELASTIC_TIMER_FILE is not set" in result.failures[0].message
