@@ -101,6 +101,19 @@ def quiet_but_armed(fifo: str, client: str, after: float, quiet: float) -> str:
     return "done"
 
 
+def heartbeat(fifo: str, seconds: float, every: float) -> str:
+    """Silent, but arm and release a timer (ours) every ``every`` seconds."""
+    import aioelastic.timer
+
+    aioelastic.timer.configure()
+    _say(fifo, f"ready {os.getpid()}")
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with aioelastic.timer.expires(after=30, scope="beat"):
+            time.sleep(every)
+    return "done"
+
+
 def chatty(fifo: str, seconds: float) -> str:
     """Print a line every 0.1 s for ``seconds``: busy, never stalled."""
     _say(fifo, f"ready {os.getpid()}")
