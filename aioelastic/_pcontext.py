@@ -400,6 +400,17 @@ class PContext:
         running = {r: w.pid for r, w in sorted(self._workers.items()) if w.returncode is None}
         return await self._hangs.dump_stacks(running, timeout)
 
+    def last_output_times(self) -> dict[int, float]:
+        """When each running worker last wrote output (``time.time()``), for metrics."""
+        offset = time.time() - time.monotonic()
+        found = {}
+        for rank, worker in sorted(self._workers.items()):
+            times = [p.last_output for p in (worker.stdout, worker.stderr)]
+            latest = max((t for t in times if t is not None), default=None)
+            if worker.returncode is None and latest is not None:
+                found[rank] = latest + offset
+        return found
+
     async def _run_hangs(self) -> None:
         assert self._tg is not None
         tg = self._tg

@@ -114,6 +114,18 @@ def heartbeat(fifo: str, seconds: float, every: float) -> str:
     return "done"
 
 
+def hang_on_first_attempt(fifo: str) -> str:
+    """Attempt 0: rank 1 hangs under a 1 s timer (ours), rank 0 waits. Later: both return."""
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        return "recovered"
+    print(f"attempt 0 rank {os.environ['LOCAL_RANK']}", flush=True)
+    if os.environ["LOCAL_RANK"] == "1":
+        stuck(fifo, "event", "ours", 1.0)
+    else:
+        stuck_in_sleep(fifo)
+    return "unreachable"
+
+
 def chatty(fifo: str, seconds: float) -> str:
     """Print a line every 0.1 s for ``seconds``: busy, never stalled."""
     _say(fifo, f"ready {os.getpid()}")
