@@ -61,6 +61,8 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ._hangs import HangConfig
+from ._metrics import health_port_from_env, observed
 from ._pcontext import PContext, start_processes
 from ._rendezvous import (
     LocalRendezvous,
@@ -445,6 +447,14 @@ class LocalElasticAgent:
         run_id: the job id of the single-node rendezvous the agent makes itself when the
             spec has no ``rdzv_handler`` (default: a fresh UUID; ``"none"`` with
             ``master_port``, torchrun's default).
+        stall_timeout: seconds without output or timer request from any local worker
+            after which the attempt is stopped as stalled, every rank's stack in its
+            failure; a failure like any other, so it restarts per ``max_restarts``. Off
+            when ``None``. ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves torch's file timer;
+            ``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer (docs/hangs.md).
+        metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
+            one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
+        metrics_host: the address the metrics and health ports bind (loopback by default).
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -471,6 +481,9 @@ class LocalElasticAgent:
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
+        stall_timeout: float | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         _event_hub: EventHub | None = None,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
@@ -503,6 +516,16 @@ class LocalElasticAgent:
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
         self._default_run_id = run_id
+        # Checked now (see docs/hangs.md): a bad value must not cost a rendezvous.
+        self._stall_timeout = HangConfig(stall_timeout=stall_timeout).stall_timeout
+        self._health_port = health_port_from_env(os.environ)
+        if metrics_port is not None and (
+            isinstance(metrics_port, bool)
+            or not isinstance(metrics_port, int)
+            or not 0 <= metrics_port <= 65535
+        ):
+            raise ValueError(f"metrics_port must be a port in 0..65535, got {metrics_port!r}")
+        self._metrics_port, self._metrics_host = metrics_port, metrics_host
         self._spec = spec
         self._start_method = start_method
         self._log_dir_arg = None if log_dir is None else Path(log_dir)
@@ -567,6 +590,15 @@ class LocalElasticAgent:
                 rdzv = await self._open_rendezvous()
                 stack.push_async_callback(rdzv.aclose)
                 self._run_id = rdzv.run_id
+                await stack.enter_async_context(
+                    observed(
+                        self.events(),
+                        metrics_port=self._metrics_port,
+                        health_port=self._health_port,
+                        host=self._metrics_host,
+                        last_output=lambda: self._ctx.last_output_times() if self._ctx else {},
+                    )
+                )
                 if not self._signals:
                     return await self._invoke_run(rdzv)
                 scope = await stack.enter_async_context(handle_signals(self._signals))
@@ -760,6 +792,7 @@ class LocalElasticAgent:
             forkserver_preload=self._forkserver_preload,
             local_ranks_filter=self._local_ranks_filter,
             log_line_prefix=self._log_line_prefix_template,
+            stall_timeout=self._stall_timeout,
         )
         self._ctx = ctx
         try:

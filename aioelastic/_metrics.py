@@ -242,6 +242,7 @@ async def observed(
     liveness = Liveness()
     metrics = Metrics(last_output, liveness) if metrics_port is not None else None
     ports: dict[str, int] = {}
+    error: BaseException | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(liveness.run)
         if metrics is not None:
@@ -259,5 +260,11 @@ async def observed(
             tg.start_soon(serve_http, listener, routes)
         try:
             yield ports
+        except BaseException as exc:
+            # Re-raised below, outside the task group: inside, the body's own exception
+            # (a SignalReceived, a ChildFailedError) would come out wrapped in a group.
+            error = exc
         finally:
             tg.cancel_scope.cancel()
+    if error is not None:
+        raise error

@@ -16,7 +16,7 @@ import anyio.abc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aioelastic import LocalElasticAgent, WorkerSpec, WorkerState
+from aioelastic import LocalElasticAgent, WorkerSpec, WorkerState, free_port
 from aioelastic._http import serve_http
 from aioelastic._metrics import Liveness, Metrics, health_port_from_env, observed, open_listener
 from tests.children import hangs
@@ -215,3 +215,57 @@ def test_metrics_without_prometheus_client_says_how_to_get_it(
     with pytest.raises(ImportError) as info:
         Metrics()
     assert str(info.value) == "metrics need prometheus-client: pip install 'aioelastic[metrics]'"
+
+
+@pytest.mark.asyncio
+async def test_agent_serves_its_ports_and_stops_a_stalled_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics_port, health_port = free_port(), free_port()
+    monkeypatch.setenv("TORCHELASTIC_HEALTH_CHECK_PORT", str(health_port))
+    ready = ReadyFifo(tmp_path)
+    spec = WorkerSpec(
+        role="trainer",
+        local_world_size=2,
+        entrypoint=hangs.stuck,
+        args=(str(ready.path), "event"),
+    )
+    agent = LocalElasticAgent(
+        spec, shutdown_timeout=5, stall_timeout=2.0, metrics_port=metrics_port
+    )
+    seen: dict[str, object] = {}
+
+    async def scrape() -> None:
+        await ready.lines(2, timeout=60)
+        seen["health"] = await aget(health_port, "/")
+        seen["metrics"] = samples((await aget(metrics_port, "/metrics"))[2].decode())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(scrape)
+        with anyio.fail_after(60):
+            result = await agent.run()
+    ready.close()
+    assert result.state is WorkerState.FAILED
+    assert sorted(result.failures) == [0, 1]
+    for failure in result.failures.values():
+        assert failure.message.startswith("stalled: no worker wrote output or sent a timer")
+        assert "in stuck_in_event_wait" in failure.message
+    assert seen["health"][0] == 200  # type: ignore[index]
+    assert seen["metrics"][("aioelastic_workers_running", ())] == 2  # type: ignore[index]
+    # Both ports are closed with the run.
+    for port in (metrics_port, health_port):
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def test_agent_checks_its_hang_options_before_anything_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = WorkerSpec(local_world_size=1, entrypoint=hangs.chatty, args=("", 0.0))
+    with pytest.raises(ValueError, match="stall_timeout must be a positive number of seconds"):
+        LocalElasticAgent(spec, stall_timeout=0)
+    with pytest.raises(ValueError, match=r"metrics_port must be a port in 0\.\.65535, got -1"):
+        LocalElasticAgent(spec, metrics_port=-1)
+    monkeypatch.setenv("TORCHELASTIC_HEALTH_CHECK_PORT", "http")
+    with pytest.raises(ValueError, match="TORCHELASTIC_HEALTH_CHECK_PORT='http' is not a port"):
+        LocalElasticAgent(spec)
