@@ -77,7 +77,7 @@ class StackChannel:
                     if quiet.cancelled_caught:
                         break
             data += self._read()
-        return data.decode(errors="replace") if data else None
+        return _without_hook_frames(data.decode(errors="replace")) if data else None
 
     def _read(self) -> bytes:
         assert self._fd is not None
@@ -152,6 +152,26 @@ class StackChannels:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _without_hook_frames(dump: str) -> str:
+    """Drop the frames of :mod:`._stack_hook` and of its callers (runpy) from a dump.
+
+    faulthandler lists frames most recent first, so in each thread's block the hook's
+    frame and everything after it are the wrapper around the user's script, not the
+    user's code.
+    """
+    marker = f"{os.sep}aioelastic{os.sep}_stack_hook.py"
+    kept: list[str] = []
+    skipping = False
+    for line in dump.splitlines(keepends=True):
+        if not line.startswith("  "):
+            skipping = False  # a new thread's header, or the blank line between threads
+        elif marker in line:
+            skipping = True
+        if not skipping:
+            kept.append(line)
+    return "".join(kept)
 
 
 def no_stack(pid: int, timeout: float) -> str:
