@@ -347,6 +347,32 @@ FLAGS: tuple[Flag, ...] = (
         ours=True,
         metavar="CODES",
     ),
+    Flag(
+        ("--stall-timeout",),
+        float,
+        None,
+        "Stop the workers as stalled when none wrote output or sent a timer request for "
+        "this many seconds, with every rank's stack in the report (off by default).",
+        ours=True,
+        metavar="SECONDS",
+    ),
+    Flag(
+        ("--metrics-port",),
+        int,
+        None,
+        "Serve Prometheus metrics (/metrics) and liveness (/health) on this port of "
+        "--metrics-host; needs aioelastic[metrics].",
+        ours=True,
+        metavar="PORT",
+    ),
+    Flag(
+        ("--metrics-host",),
+        str,
+        "127.0.0.1",
+        "The address --metrics-port and TORCHELASTIC_HEALTH_CHECK_PORT bind.",
+        ours=True,
+        metavar="ADDRESS",
+    ),
 )
 
 _BY_DEST = {flag.dest: flag for flag in FLAGS}
@@ -523,6 +549,9 @@ class LaunchPlan:
     restart_backoff: float
     restart_backoff_max: float
     no_retry_exit_codes: frozenset[int]
+    stall_timeout: float | None
+    metrics_port: int | None
+    metrics_host: str
     virtual_local_rank: bool
     entrypoint: str
     args: tuple[str, ...]
@@ -651,6 +680,10 @@ def plan_from_args(
             "--restart-backoff and --restart-backoff-max must be >= 0 seconds, got "
             f"{args.restart_backoff} and {args.restart_backoff_max}"
         )
+    if args.stall_timeout is not None and not args.stall_timeout > 0:
+        raise ValueError(f"--stall-timeout must be > 0 seconds, got {args.stall_timeout}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be a port number 0..65535, got {args.metrics_port}")
     entrypoint, cmd_args = _command(args, environ)
     return LaunchPlan(
         min_nodes=min_nodes,
@@ -680,6 +713,9 @@ def plan_from_args(
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,
         no_retry_exit_codes=parse_exit_codes(args.no_retry_exit_codes),
+        stall_timeout=args.stall_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         virtual_local_rank=args.virtual_local_rank,
         entrypoint=entrypoint,
         args=cmd_args,

@@ -88,6 +88,8 @@ class LaunchConfig:
             hard-codes 300 s).
         restart_backoff: wait between failure restarts (`RestartBackoff`).
         no_retry_exit_codes: exit codes that fail the run at once.
+        stall_timeout: stop an attempt whose workers were all silent this long (seconds).
+        metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
     """
 
     min_nodes: int
@@ -121,6 +123,9 @@ class LaunchConfig:
     exit_barrier_timeout: float = 300.0
     restart_backoff: RestartBackoff | None = None
     no_retry_exit_codes: Collection[int] = frozenset()
+    stall_timeout: float | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         for name in ("min_nodes", "max_nodes", "nproc_per_node"):
@@ -175,7 +180,10 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
     """torch's rule: a function's name; for ``python`` the script; else the binary."""
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
-            return next((str(a) for a in args if not str(a).startswith("-")), "")
+            # The stack hook's wrapper (see run.py) is not the user's script.
+            names = [str(a) for a in args if not str(a).startswith("-")]
+            names = [n for n in names if n != "aioelastic._stack_hook"]
+            return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", repr(entrypoint)))
 
@@ -284,6 +292,9 @@ async def launch_agent(
             forkserver_preload=config.forkserver_preload,
             signals_to_handle=config.signals_to_handle,
             run_id=run_id,
+            stall_timeout=config.stall_timeout,
+            metrics_port=config.metrics_port,
+            metrics_host=config.metrics_host,
             _event_hub=_hub,
         )
         result = await agent.run()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from pathlib import Path
 
@@ -135,3 +138,34 @@ async def test_wait_for_stall_moves_with_activity_and_rejects_nonsense() -> None
         await wait_for_stall(0, time.monotonic)
     with pytest.raises(ValueError, match=r"stall_timeout must be a positive number of seconds"):
         aioelastic.start_processes("x", hangs.chatty, {0: ("", 0.0)}, {0: {}}, stall_timeout=-1)
+
+
+@pytest.mark.asyncio
+async def test_cli_stall_timeout_reports_every_rank_with_its_stack() -> None:
+    barrier = str(Path(__file__).parent / "children" / "barrier.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    argv = [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2"]
+    begin = time.monotonic()
+    out = await anyio.run_process(
+        [*argv, "--stall-timeout", "2", "--max-restarts", "0", barrier],
+        env=env,
+        check=False,
+    )
+    stderr = out.stderr.decode()
+    assert time.monotonic() - begin < 60
+    # Stopped as a group (SIGTERM), every rank a failure with its own stack.
+    assert out.returncode == 128 + signal.SIGTERM, stderr
+    report = stderr[stderr.index("=" * 60) :]
+    assert report.count("stalled: no worker wrote output or sent a timer request for ") == 2
+    assert "rank 0: last output " in report
+    assert "ago: 'rank 0 step 1'" in report
+    assert "in other_rank_waits_in_sleep" in report
+    assert "in wait_for_peers_in_barrier" in report
+
+
+async def test_cli_rejects_a_bad_stall_timeout() -> None:
+    out = await anyio.run_process(
+        [sys.executable, "-m", "aioelastic.run", "--stall-timeout", "0", "x.py"], check=False
+    )
+    assert out.returncode == 2
+    assert "--stall-timeout must be > 0 seconds, got 0.0" in out.stderr.decode()

@@ -386,3 +386,33 @@ async def test_timer_without_the_switch_is_not_served(
         "off", hangs.armed_but_finishes, {0: ("/nonexistent", "ours", 1.0, 0.0)}, {0: {}}
     )
     assert "RuntimeError: TORCHELASTIC_TIMER_FILE is not set" in result.failures[0].message
+
+
+# -- under aioelastic-run -------------------------------------------------------------
+
+BARRIER = str(Path(__file__).parent / "children" / "barrier.py")
+
+
+@pytest.mark.parametrize("client", ["torch", "ours"])
+def test_cli_catches_an_unchanged_script_and_survives(tmp_path: Path, client: str) -> None:
+    env = {**os.environ, "TORCHELASTIC_ENABLE_FILE_TIMER": "1", "TIMER": client}
+    env.pop("TORCHELASTIC_TIMER_FILE", None)
+    begin = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2", BARRIER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # The launcher exits by itself with the root cause's status (128 + SIGKILL): torch's
+    # server would have SIGKILLed it (returncode -9).
+    assert out.returncode == 128 + signal.SIGKILL, out.stderr
+    assert time.monotonic() - begin < 60
+    report = out.stderr[out.stderr.index("=" * 60) :]
+    assert "barrier.py FAILED" in report
+    assert "rank      : 1 (local_rank: 1)" in report
+    assert "traceback : timer expired after 2s (scope 'barrier')" in report
+    assert 'barrier.py", line 16 in wait_for_peers_in_barrier' in report, report
+    assert "_stack_hook" not in report  # the wrapper's frames are not the user's
+    assert not list(Path(tempfile.gettempdir()).glob("aioelastic_timer_*"))
