@@ -61,7 +61,7 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
-from ._hangs import HangConfig
+from ._hangs import HangConfig, stack_requests
 from ._metrics import health_port_from_env, observed
 from ._pcontext import PContext, start_processes
 from ._rendezvous import (
@@ -599,6 +599,7 @@ class LocalElasticAgent:
                         last_output=lambda: self._ctx.last_output_times() if self._ctx else {},
                     )
                 )
+                await stack.enter_async_context(stack_requests(self._dump_stacks))
                 if not self._signals:
                     return await self._invoke_run(rdzv)
                 scope = await stack.enter_async_context(handle_signals(self._signals))
@@ -622,6 +623,10 @@ class LocalElasticAgent:
             self._group.store = None
             self._hub.close()
             self._drop_empty_temporary_logs()
+
+    async def _dump_stacks(self) -> dict[int, str]:
+        """Stacks of the running workers, for ``kill -URG`` on the agent (docs/hangs.md)."""
+        return await self._ctx.dump_stacks() if self._ctx is not None else {}
 
     # -- the run -----------------------------------------------------------------------
 

@@ -12,15 +12,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TextIO
 
 import anyio
 
+from ._stack_hook import STACK_SIGNAL
 from ._stacks import DEFAULT_TIMEOUT, StackChannels
 from ._stall import RankActivity, StallReport, wait_for_stall
 from ._timer_server import ENABLE_ENV, FILE_ENV, Expiry, TimerServer
@@ -249,3 +253,45 @@ class WorkerHooks:
                     os.write(fd, f"[aioelastic] {text}".encode(errors="replace"))
                 finally:
                     os.close(fd)
+
+
+#: The signal that asks the launcher (the agent, ``aioelastic-run``) to print the stacks of
+#: every local worker: the same one each worker answers (see :mod:`._stack_hook`).
+LAUNCHER_STACK_SIGNAL = STACK_SIGNAL
+
+
+@asynccontextmanager
+async def stack_requests(
+    dump: Callable[[], Awaitable[Mapping[int, str]]], out: TextIO | None = None
+) -> AsyncIterator[None]:
+    """While the block runs, print every worker's stacks when the process gets ``SIGURG``.
+
+    ``kill -URG <launcher pid>`` prints them to ``out`` (stderr) without stopping anything.
+    Off the main thread (where no signal handler can be installed) this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    error: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+
+        async def answer() -> None:
+            with anyio.open_signal_receiver(LAUNCHER_STACK_SIGNAL) as signals:
+                async for _ in signals:
+                    stacks = await dump()
+                    stream = out if out is not None else sys.stderr
+                    for rank, text in sorted(stacks.items()):
+                        stream.write(f"--- stack of local rank {rank} ---\n{text}")
+                    if not stacks:
+                        stream.write("--- no worker is running ---\n")
+                    stream.flush()
+
+        tg.start_soon(answer)
+        try:
+            yield
+        except BaseException as exc:
+            error = exc  # re-raised outside the task group, unwrapped
+        finally:
+            tg.cancel_scope.cancel()
+    if error is not None:
+        raise error

@@ -285,3 +285,39 @@ async def test_dump_stacks_of_a_script_worker_and_of_an_exited_one(tmp_path: Pat
             assert "<module>" in stacks[0]
     finally:
         ready.close()
+
+
+# -- at the terminal: kill -URG <launcher> --------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_sigurg_to_the_launcher_prints_every_workers_stack(tmp_path: Path) -> None:
+    barrier = str(Path(__file__).parent / "children" / "barrier.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
+    argv = [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2", barrier]
+    async with await anyio.open_process(argv, env=env) as proc:
+        assert proc.stdout is not None
+        assert proc.stderr is not None
+        out, err = b"", b""
+        try:
+            with anyio.fail_after(60):
+                while out.count(b" step 1\n") < 2:
+                    out += await proc.stdout.receive()
+            os.kill(proc.pid, signal.SIGURG)
+            with anyio.fail_after(30):
+                while not all(
+                    name in err for name in (b"in other_rank_waits", b"in wait_for_peers")
+                ):
+                    err += await proc.stderr.receive()
+            # Nothing was stopped: the launcher and its workers run on.
+            assert proc.returncode is None
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            with anyio.fail_after(60):
+                await proc.wait()
+    text = err.decode()
+    assert "--- stack of local rank 0 ---" in text
+    assert "in other_rank_waits_in_sleep" in text
+    assert "in wait_for_peers_in_barrier" in text
+    assert proc.returncode == 128 + signal.SIGTERM
