@@ -121,6 +121,13 @@ class HangGuard:
                 self._stacks.close()
                 raise
 
+    def fds(self) -> list[int]:
+        """The supervisor's own FIFO descriptors (a forked worker must close them)."""
+        found = self._stacks.fds()
+        if self._timer is not None and self._timer.fd is not None:
+            found.append(self._timer.fd)
+        return found
+
     def worker_env(self, rank: int) -> dict[str, str]:
         """The environment entries of rank ``rank``."""
         env = dict(self._stacks.channels[rank].env()) if rank in self._stacks.channels else {}

@@ -261,7 +261,7 @@ class PContext:
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
             # pipe would otherwise outlive us in a grandchild).
-            private = [*parent_ends, *filter(None, [watchdog.fileno()])]
+            private = [*parent_ends, *filter(None, [watchdog.fileno()]), *self._hangs.fds()]
             return await _launchers.on_launcher_thread(
                 _launchers.start_fork, payload, out_w, err_w, res_w, private
             )

@@ -49,6 +49,11 @@ class StackChannel:
         # a worker closes its end (it would then read as always-readable and spin).
         self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 
+    @property
+    def fd(self) -> int | None:
+        """The supervisor's descriptor of the FIFO (``None`` before open or after close)."""
+        return self._fd
+
     def env(self) -> dict[str, str]:
         """The environment entries that tell the worker's bootstrap where to write."""
         return {STACKS_FIFO_ENV: str(self.path)}
@@ -143,6 +148,10 @@ class StackChannels:
             for rank, pid in pids.items():
                 tg.start_soon(one, rank, pid)
         return dict(sorted(found.items()))
+
+    def fds(self) -> list[int]:
+        """The open FIFO descriptors."""
+        return [c.fd for c in self.channels.values() if c.fd is not None]
 
     def close(self) -> None:
         """Close every FIFO and remove the directory; idempotent."""

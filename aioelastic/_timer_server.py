@@ -115,6 +115,11 @@ class TimerServer:
         # request is one open/write/close); without it the loop would spin on EOF.
         self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
 
+    @property
+    def fd(self) -> int | None:
+        """The server's descriptor of the FIFO (``None`` before open or after close)."""
+        return self._fd
+
     def forget(self, pid: int) -> None:
         """Drop every timer of ``pid`` (call when that worker exits)."""
         for key in [k for k in self._timers if k[0] == pid]:

@@ -321,3 +321,36 @@ async def test_sigurg_to_the_launcher_prints_every_workers_stack(tmp_path: Path)
     assert "in other_rank_waits_in_sleep" in text
     assert "in wait_for_peers_in_barrier" in text
     assert proc.returncode == 128 + signal.SIGTERM
+
+
+@pytest.mark.asyncio
+async def test_forked_workers_do_not_keep_the_supervisors_fifos(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TORCHELASTIC_ENABLE_FILE_TIMER", "1")
+    monkeypatch.delenv("TORCHELASTIC_TIMER_FILE", raising=False)
+    ready = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "forked",
+            hangs.stuck,
+            {0: (str(ready.path), "sleep"), 1: (str(ready.path), "sleep")},
+            {0: {}, 1: {}},
+            start_method="fork",
+            grace_period=5,
+        ) as ctx:
+            await ready.lines(2)
+            for pid in ctx.pids().values():
+                targets = []
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    try:
+                        targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                    except OSError:
+                        continue
+                # Only its own stacks FIFO (write end, from the hook) is left.
+                fifos = [
+                    t for t in targets if "aioelastic_stacks_" in t or "aioelastic_timer_" in t
+                ]
+                assert len(fifos) == 1, targets
+    finally:
+        ready.close()
