@@ -232,7 +232,8 @@ class WorkerHooks:
                 found.append(RankActivity(rank, None))
                 continue
             latest = max(pumps, key=lambda p: p.last_output or 0.0)
-            lines = latest.last_chunk.decode("utf-8", "replace").splitlines()
+            text = latest.last_chunk.decode("utf-8", "replace")
+            lines = [line for line in text.splitlines() if line.strip()]
             found.append(RankActivity(rank, latest.last_output, lines[-1] if lines else ""))
         return found
 

@@ -79,7 +79,8 @@ class StreamPump:
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
-        #: CLOCK_MONOTONIC time of the last chunk read, and its end (for stall reports).
+        #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
+        #: stall reports).
         self.last_output: float | None = None
         self.last_chunk = b""
 
@@ -178,7 +179,9 @@ class StreamPump:
 
     def _consume(self, chunk: bytes) -> None:
         self.last_output = time.monotonic()
-        self.last_chunk = chunk[-256:]
+        # The end of the output so far, not of this chunk: `python -u` writes a print's
+        # text and its newline in two writes, and the last chunk is often just "\n".
+        self.last_chunk = (self.last_chunk + chunk)[-256:]
         if self._log_fd is not None:
             _write_all(self._log_fd, chunk)
         if self._console is None and self.tail is None:

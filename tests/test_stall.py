@@ -159,6 +159,7 @@ async def test_cli_stall_timeout_reports_every_rank_with_its_stack() -> None:
     assert report.count("stalled: no worker wrote output or sent a timer request for ") == 2
     assert "rank 0: last output " in report
     assert "ago: 'rank 0 step 1'" in report
+    assert "ago: 'rank 1 step 1'" in report
     assert "in other_rank_waits_in_sleep" in report
     assert "in wait_for_peers_in_barrier" in report
 
