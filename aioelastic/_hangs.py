@@ -96,6 +96,7 @@ class HangGuard:
         self._stacks = StackChannels(range(nprocs))
         self._timer: TimerServer | None = None
         self._owner: dict[int, int] = {}
+        self._answering: set[int] = set()
         self._started_at = time.monotonic()
         self.stalls = 0
 
@@ -128,9 +129,17 @@ class HangGuard:
             found.append(self._timer.fd)
         return found
 
-    def worker_env(self, rank: int) -> dict[str, str]:
-        """The environment entries of rank ``rank``."""
-        env = dict(self._stacks.channels[rank].env()) if rank in self._stacks.channels else {}
+    def worker_env(self, rank: int, *, python: bool = True) -> dict[str, str]:
+        """The environment entries of rank ``rank``.
+
+        ``python``: the worker runs our bootstrap or the stack hook and can answer stack
+        requests. Others (any other binary) get no stacks FIFO: their environment stays
+        exactly torchrun's, and a stack request answers at once that there is none.
+        """
+        env = {}
+        if python and rank in self._stacks.channels:
+            env.update(self._stacks.channels[rank].env())
+            self._answering.add(rank)
         if self._timer is not None:
             env[FILE_ENV] = str(self._timer.path)
         return env
@@ -149,7 +158,14 @@ class HangGuard:
         self, pids: Mapping[int, int], timeout: float | None = None
     ) -> dict[int, str]:
         """Every thread's stack of each ``{rank: pid}``, without stopping them."""
-        return await self._stacks.capture(pids, timeout or self.config.stack_timeout)
+        asked = {r: p for r, p in pids.items() if r in self._answering}
+        found = await self._stacks.capture(asked, timeout or self.config.stack_timeout)
+        for rank in pids.keys() - asked.keys():
+            found[rank] = (
+                f"(no Python stack: local rank {rank} runs a binary without aioelastic's "
+                "stack hook; see docs/hangs.md)\n"
+            )
+        return dict(sorted(found.items()))
 
     async def run(self, hooks: HangHooks) -> None:
         """Serve timers and watch for stalls until cancelled."""

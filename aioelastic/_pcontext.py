@@ -9,6 +9,7 @@ warm :mod:`._forkserver`) for a process, whose child side is :mod:`._bootstrap`;
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import pickle
@@ -71,7 +72,7 @@ class PContext:
         self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs)
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
         self._hang_texts: dict[int, str] = {}
-        self._hang_scope = anyio.CancelScope()
+        self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
         self._workers: dict[int, WorkerProcess] = {}
         self._failures: dict[int, ProcessFailure] = {}
         self._return_values: dict[int, Any] = {}
@@ -157,7 +158,11 @@ class PContext:
         spec = self._spec
         error_file = str(root / str(rank) / "error.json")
         env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
-        env.update(self._hangs.worker_env(rank))
+        env.update(
+            self._hangs.worker_env(
+                rank, python=not spec.is_binary or _runs_stack_hook(spec.args[rank])
+            )
+        )
         if spec.is_binary:
             return _Prepared(env, error_file, None)
         assert callable(spec.entrypoint)
@@ -419,6 +424,9 @@ class PContext:
             self._hang_texts,
             lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
         )
+        self._hang_scope = anyio.CancelScope()
+        if self._stopping:
+            return
         with self._hang_scope:
             await self._hangs.run(hooks)
 
@@ -480,7 +488,8 @@ class PContext:
             await self._stopped.wait()
             return
         self._stopping = True
-        self._hang_scope.cancel()
+        if self._hang_scope is not None:
+            self._hang_scope.cancel()
         try:
             with anyio.CancelScope(shield=True):
                 await stop_workers(
@@ -539,6 +548,11 @@ class PContext:
         assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
+
+
+def _runs_stack_hook(args: tuple[Any, ...]) -> bool:
+    """Whether a binary's arguments run a script through the stack hook (docs/hangs.md)."""
+    return any(a == "-m" and b == "aioelastic._stack_hook" for a, b in itertools.pairwise(args))
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:

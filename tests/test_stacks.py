@@ -354,3 +354,26 @@ async def test_forked_workers_do_not_keep_the_supervisors_fifos(
                 assert len(fifos) == 1, targets
     finally:
         ready.close()
+
+
+@pytest.mark.asyncio
+async def test_a_plain_binary_keeps_torchruns_environment_and_answers_at_once(
+    tmp_path: Path,
+) -> None:
+    ready = ReadyFifo(tmp_path)
+    script = f'env > "{tmp_path}/env.txt"; echo ready > "{ready.path}"; exec sleep 3600'
+    try:
+        async with aioelastic.start_processes(
+            "binary", "sh", {0: ("-c", script)}, {0: {}}, grace_period=5
+        ) as ctx:
+            await ready.lines(1)
+            begin = time.monotonic()
+            stacks = await ctx.dump_stacks(timeout=10)
+            assert time.monotonic() - begin < 1
+    finally:
+        ready.close()
+    assert stacks == {
+        0: "(no Python stack: local rank 0 runs a binary without aioelastic's stack hook; "
+        "see docs/hangs.md)\n"
+    }
+    assert STACKS_FIFO_ENV not in (tmp_path / "env.txt").read_text()
