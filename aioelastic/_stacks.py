@@ -5,8 +5,10 @@
 writes. faulthandler marks no end of a dump, but it writes the whole dump from inside one
 signal handler without ever blocking (the FIFO is non-blocking on its side), so the dump
 is complete once the pipe has stayed quiet for :data:`SETTLE` seconds after the first
-byte. Every capture is bounded by its timeout: a worker that never answers (not Python,
-handler replaced, already gone) costs at most that, and never delays a teardown beyond it.
+byte and no thread of the worker still runs the handler or has the signal pending (on a
+loaded machine a worker can be descheduled halfway through its dump). Every capture is
+bounded by its timeout: a worker that never answers (not Python, handler replaced, already
+gone) costs at most that, and never delays a teardown beyond it.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class StackChannel:
                     data += self._read()
                     with anyio.move_on_after(SETTLE) as quiet:
                         await anyio.wait_readable(self._fd)
-                    if quiet.cancelled_caught:
+                    if quiet.cancelled_caught and not _still_dumping(pid):
                         break
             data += self._read()
         return _without_hook_frames(data.decode(errors="replace")) if data else None
@@ -161,6 +163,29 @@ class StackChannels:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+def _still_dumping(pid: int) -> bool:
+    """Whether a thread of ``pid`` runs the dump handler or has the signal pending.
+
+    faulthandler installs its handler without ``SA_NODEFER``, so the signal is in the
+    blocked mask of the thread running it, and in a pending set until delivered.
+    """
+    bit = 1 << (STACK_SIGNAL - 1)
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/status") as f:
+                for line in f:
+                    key, _, value = line.partition(":")
+                    if key in ("SigPnd", "ShdPnd", "SigBlk") and int(value, 16) & bit:
+                        return True
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def _without_hook_frames(dump: str) -> str:
