@@ -63,6 +63,8 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ._hangs import stack_requests
+from ._metrics import observed
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ._pcontext import PContext, start_processes
 from ._rendezvous import (
@@ -401,6 +403,14 @@ class LocalElasticAgent:
         run_id: the job id of the single-node rendezvous the agent makes itself when the
             spec has no ``rdzv_handler`` (default: a fresh UUID; ``"none"`` with
             ``master_port``, torchrun's default).
+        stall_timeout: seconds without output or timer request from any local worker
+            after which the attempt is stopped as stalled, every rank's stack in its
+            failure; a failure like any other, so it restarts per ``max_restarts``. Off
+            when ``None``. ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves torch's file timer;
+            ``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer (docs/hangs.md).
+        metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
+            one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
+        metrics_host: the address the metrics and health ports bind (loopback by default).
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -427,6 +437,9 @@ class LocalElasticAgent:
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
+        stall_timeout: float | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
     ) -> None:
@@ -446,6 +459,9 @@ class LocalElasticAgent:
             forkserver_preload=forkserver_preload,
             signals_to_handle=signals_to_handle,
             run_id=run_id,
+            stall_timeout=stall_timeout,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -528,6 +544,17 @@ class LocalElasticAgent:
                 rdzv = await self._open_rendezvous()
                 stack.push_async_callback(rdzv.aclose)
                 self._run_id = rdzv.run_id
+                config = self._config
+                await stack.enter_async_context(
+                    observed(
+                        self.events(),
+                        metrics_port=config.metrics_port,
+                        health_port=config.health_port,
+                        host=config.metrics_host,
+                        last_output=lambda: self._ctx.last_output_times() if self._ctx else {},
+                    )
+                )
+                await stack.enter_async_context(stack_requests(self._dump_stacks))
                 if not self._config.signals:
                     return await self._invoke_run(rdzv)
                 scope = await stack.enter_async_context(handle_signals(self._config.signals))
@@ -552,6 +579,10 @@ class LocalElasticAgent:
             self._hub.close()
             self._output.close()
             self._drop_empty_temporary_logs()
+
+    async def _dump_stacks(self) -> dict[int, str]:
+        """Stacks of the running workers, for ``kill -URG`` on the agent (docs/hangs.md)."""
+        return await self._ctx.dump_stacks() if self._ctx is not None else {}
 
     # -- the run -----------------------------------------------------------------------
 
@@ -713,6 +744,7 @@ class LocalElasticAgent:
             forkserver_preload=self._config.forkserver_preload,
             local_ranks_filter=self._config.local_ranks_filter,
             log_line_prefix=self._config.log_line_prefix_template,
+            stall_timeout=self._config.stall_timeout,
         )
         self._output.new_attempt()
         ctx._share_output(

@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from . import _platform
 from ._result_pipe import send_result
+from ._stack_hook import install_from_env as install_stack_dumps
 
 
 @dataclass
@@ -41,6 +42,7 @@ class FunctionCall:
 
 def run_call(call: FunctionCall, result_fd: int) -> int:
     """Run the call, report its outcome, and return the process exit code."""
+    install_stack_dumps()
     try:
         value = call.fn(*call.args)
     except SystemExit as exc:

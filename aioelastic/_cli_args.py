@@ -369,6 +369,32 @@ FLAGS: tuple[Flag, ...] = (
         ours=True,
         metavar="CODES",
     ),
+    Flag(
+        ("--stall-timeout",),
+        cli_type(values.positive_duration, "SECONDS"),
+        None,
+        "Stop the workers as stalled when none wrote output or sent a timer request for "
+        "this many seconds, with every rank's stack in the report (off by default).",
+        ours=True,
+        metavar="SECONDS",
+    ),
+    Flag(
+        ("--metrics-port",),
+        cli_type(values.port, "PORT"),
+        None,
+        "Serve Prometheus metrics (/metrics) and liveness (/health) on this port of "
+        "--metrics-host; needs aioelastic[metrics].",
+        ours=True,
+        metavar="PORT",
+    ),
+    Flag(
+        ("--metrics-host",),
+        str,
+        "127.0.0.1",
+        "The address --metrics-port and TORCHELASTIC_HEALTH_CHECK_PORT bind.",
+        ours=True,
+        metavar="ADDRESS",
+    ),
 )
 
 _BY_DEST = {flag.dest: flag for flag in FLAGS}
@@ -553,6 +579,9 @@ class LaunchPlan:
     restart_backoff: float
     restart_backoff_max: float
     no_retry_exit_codes: frozenset[int]
+    stall_timeout: float | None
+    metrics_port: int | None
+    metrics_host: str
     virtual_local_rank: bool
     entrypoint: str
     args: tuple[str, ...]
@@ -713,6 +742,9 @@ def plan_from_args(
         restart_backoff=args.restart_backoff,
         restart_backoff_max=args.restart_backoff_max,
         no_retry_exit_codes=args.no_retry_exit_codes,
+        stall_timeout=args.stall_timeout,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
         virtual_local_rank=args.virtual_local_rank,
         entrypoint=entrypoint,
         args=cmd_args,

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import MappingProxyType
 
 from . import _values as values
+from ._metrics import health_port_from_env
 from ._std import Std, to_map
 
 __all__ = ["AgentConfig", "SIGNALS_ENV"]
@@ -41,6 +42,11 @@ class AgentConfig:
         exported_signals: the signal list exported to workers as torchrun does, when it
             was given (None: taken from the environment or the default, not exported).
         run_id: the job id of the agent's own single-node rendezvous, None for a fresh one.
+        stall_timeout: seconds without output or timer request after which the group is
+            stalled (docs/hangs.md); None never.
+        metrics_port: where Prometheus metrics and liveness are served; None: not served.
+        metrics_host: the address the metrics and health ports bind.
+        health_port: ``TORCHELASTIC_HEALTH_CHECK_PORT``, served for liveness; None: unset.
     """
 
     start_method: str
@@ -55,6 +61,10 @@ class AgentConfig:
     signals: tuple[signal.Signals, ...]
     exported_signals: str | None
     run_id: str | None
+    stall_timeout: float | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    health_port: int | None = None
 
     @classmethod
     def build(
@@ -72,14 +82,18 @@ class AgentConfig:
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
+        stall_timeout: float | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str = "127.0.0.1",
         environ: Mapping[str, str] | None = None,
     ) -> AgentConfig:
         """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
 
         Args:
             nprocs: workers on this node (the per-rank settings are checked against it).
-            environ: where ``TORCHELASTIC_SIGNALS_TO_HANDLE`` is read when
-                ``signals_to_handle`` is None (default ``os.environ``).
+            environ: where ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (when ``signals_to_handle``
+                is None) and ``TORCHELASTIC_HEALTH_CHECK_PORT`` are read (default
+                ``os.environ``).
 
         Raises:
             ValueError, TypeError: a bad value, with the argument's name.
@@ -91,10 +105,12 @@ class AgentConfig:
             )
         if run_id is not None and (not isinstance(run_id, str) or not run_id):
             raise ValueError(f"run_id must be a non-empty str or None, got {run_id!r}")
+        env = os.environ if environ is None else environ
         signal_text = signals_to_handle
         if signal_text is None:
-            env = os.environ if environ is None else environ
             signal_text = env.get(SIGNALS_ENV, values.DEFAULT_SIGNALS_TO_HANDLE)
+        if not isinstance(metrics_host, str) or not metrics_host:
+            raise ValueError(f"metrics_host must be a host name or address, got {metrics_host!r}")
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             log_dir=None if log_dir is None else Path(log_dir),
@@ -118,4 +134,12 @@ class AgentConfig:
             signals=values.field("signals_to_handle", values.signals, signal_text),
             exported_signals=signals_to_handle,
             run_id=run_id,
+            stall_timeout=None
+            if stall_timeout is None
+            else values.field("stall_timeout", values.positive_duration, stall_timeout),
+            metrics_port=None
+            if metrics_port is None
+            else values.field("metrics_port", values.port, metrics_port),
+            metrics_host=metrics_host,
+            health_port=health_port_from_env(env),
         )

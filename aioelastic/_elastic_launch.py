@@ -99,6 +99,8 @@ class LaunchConfig:
             hard-codes 300 s).
         restart_backoff: wait between failure restarts (`RestartBackoff`).
         no_retry_exit_codes: exit codes that fail the run at once.
+        stall_timeout: stop an attempt whose workers were all silent this long (seconds).
+        metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
     """
 
     min_nodes: int
@@ -132,6 +134,9 @@ class LaunchConfig:
     exit_barrier_timeout: float = 300.0
     restart_backoff: RestartBackoff | None = None
     no_retry_exit_codes: Collection[int] = frozenset()
+    stall_timeout: float | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def __post_init__(self) -> None:
         # Each value through the parser the command line uses, so that a bad value reads
@@ -207,6 +212,9 @@ class LaunchConfig:
             local_ranks_filter=self.local_ranks_filter,
             forkserver_preload=self.forkserver_preload,
             signals_to_handle=self.signals_to_handle,
+            stall_timeout=self.stall_timeout,
+            metrics_port=self.metrics_port,
+            metrics_host=self.metrics_host,
         )
 
 
@@ -214,7 +222,10 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
     """torch's rule: a function's name; for ``python`` the script; else the binary."""
     if isinstance(entrypoint, str):
         if entrypoint == sys.executable:
-            return next((str(a) for a in args if not str(a).startswith("-")), "")
+            # The stack hook's wrapper (see run.py) is not the user's script.
+            names = [str(a) for a in args if not str(a).startswith("-")]
+            names = [n for n in names if n != "aioelastic._stack_hook"]
+            return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", repr(entrypoint)))
 

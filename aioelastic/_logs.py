@@ -26,6 +26,7 @@ import asyncio
 import errno
 import math
 import os
+import time
 from pathlib import Path
 
 import anyio
@@ -81,6 +82,10 @@ class StreamPump:
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = anyio.Event()
+        #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
+        #: stall reports).
+        self.last_output: float | None = None
+        self.last_chunk = b""
 
     def fileno(self) -> int | None:
         """The pipe's read end, ``None`` once closed."""
@@ -210,6 +215,10 @@ class StreamPump:
         return [line.decode("utf-8", "replace") for line in self._framer.tail_lines()]
 
     def _consume(self, chunk: bytes) -> None:
+        self.last_output = time.monotonic()
+        # The end of the output so far, not of this chunk: `python -u` writes a print's
+        # text and its newline in two writes, and the last chunk is often just "\n".
+        self.last_chunk = (self.last_chunk + chunk[-256:])[-256:]
         if self._log_fd is not None:
             self._append_to_log(chunk)
         if self._output is not None:

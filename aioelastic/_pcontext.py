@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import logging
 import os
 import pickle
@@ -37,6 +38,7 @@ from ._bootstrap import FunctionCall
 from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
+from ._hangs import HangConfig, HangGuard, WorkerHooks
 from ._logs import StreamPump
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream, StreamOutput
 from ._result_pipe import ResultReceiver
@@ -87,7 +89,7 @@ class PContext:
     entered and are all stopped when it is left, however it is left.
     """
 
-    def __init__(self, spec: LaunchSpec) -> None:
+    def __init__(self, spec: LaunchSpec, hangs: HangConfig | None = None) -> None:
         self._spec = spec
         self._workers: list[WorkerProcess] = []
         self._output = OutputHub()
@@ -95,6 +97,10 @@ class PContext:
         #: Global rank by local rank and the attempt, for output items under the agent.
         self._output_ranks: Mapping[int, int] | None = None
         self._output_attempt: int | None = None
+        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs)
+        #: Why a rank was found hung (timer expiry, stall): the head of its failure.
+        self._hang_texts: dict[int, str] = {}
+        self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
         self._entered = False
         self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -169,11 +175,16 @@ class PContext:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
         _platform.ensure_default_sigchld()
-        prepared = self._prepare()
+        self._hangs.open()
         try:
-            await _launchers.on_launcher_thread(watchdog.ensure_started)
-        except OSError as exc:
-            _raise_start_error(exc, f"the watchdog process of {self.name!r}")
+            prepared = self._prepare()
+            try:
+                await _launchers.on_launcher_thread(watchdog.ensure_started)
+            except OSError as exc:
+                _raise_start_error(exc, f"the watchdog process of {self.name!r}")
+        except BaseException:
+            self._hangs.close()
+            raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -183,6 +194,7 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
+        self._tg.start_soon(self._run_hangs)
         if self._owns_output:
             self._output.seal()  # every stream exists now: the last one to end ends output()
         # A worker that failed while its siblings were still starting had its teardown
@@ -214,6 +226,11 @@ class PContext:
         spec = self._spec
         error_file = str(root / str(rank) / "error.json")
         env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
+        env.update(
+            self._hangs.worker_env(
+                rank, python=not spec.is_binary or _runs_stack_hook(spec.args[rank])
+            )
+        )
         if spec.is_binary:
             return _Prepared(env, error_file, None)
         assert callable(spec.entrypoint)
@@ -295,6 +312,7 @@ class PContext:
                 os.close(fd)
         try:
             watchdog.watch(launched.pid)
+            self._hangs.started(rank, launched.pid)
             worker = WorkerProcess(
                 local_rank=rank,
                 launched=launched,
@@ -346,7 +364,7 @@ class PContext:
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
             # pipe would otherwise outlive us in a grandchild).
-            private = [*parent_ends, *filter(None, [watchdog.fileno()])]
+            private = [*parent_ends, *filter(None, [watchdog.fileno()]), *self._hangs.fds()]
             return await _launchers.on_launcher_thread(
                 _launchers.start_fork, payload, out_w, err_w, res_w, private
             )
@@ -449,6 +467,7 @@ class PContext:
                     "was SIGCHLD ignored by another part of this process?"
                 )
             worker.exit_time = time.time()
+            self._hangs.exited(worker.pid)
             try:
                 worker.drain_output()
             except Exception as exc:
@@ -474,7 +493,9 @@ class PContext:
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
                 problems.append(problem)
-        own_failure = worker.returncode != 0 and not worker.signalled
+        hang = self._hang_texts.get(worker.local_rank)
+        # A rank the hang guard killed (timer expiry, stall) failed, though we signalled it.
+        own_failure = worker.returncode != 0 and (not worker.signalled or hang is not None)
         if not problems and not own_failure:
             # A log file that could not be written (full disk) is reported with the
             # group's result (see _result), not as a failure now: the other workers
@@ -491,6 +512,8 @@ class PContext:
                 failure.message = f"{failure.message}\n(worker {worker.local_rank} also: {text})"
             else:
                 failure.message = f"worker {worker.local_rank} {text}"
+        if hang is not None:
+            failure.message = f"{hang.rstrip()}\n{failure.message}"
         worker.failure = failure
 
     def _collect_return_value(self, worker: WorkerProcess) -> str | None:
@@ -548,6 +571,42 @@ class PContext:
             self._stop_scheduled = True
             assert self._tg is not None
             self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
+
+    # -- hangs ------------------------------------------------------------------------
+
+    async def dump_stacks(self, timeout: float | None = None) -> dict[int, str]:
+        """Every thread's Python stack of each running worker, without stopping them.
+
+        Returns ``{local_rank: text}``; a worker that does not answer within ``timeout``
+        seconds (5 by default) maps to a line saying so. See docs/hangs.md.
+        """
+        running = {w.local_rank: w.pid for w in self._ranked() if w.returncode is None}
+        return await self._hangs.dump_stacks(running, timeout)
+
+    def last_output_times(self) -> dict[int, float]:
+        """When each running worker last wrote output (``time.time()``), for metrics."""
+        offset = time.time() - time.monotonic()
+        found = {}
+        for worker in self._ranked():
+            times = [p.last_output for p in (worker.stdout, worker.stderr)]
+            latest = max((t for t in times if t is not None), default=None)
+            if worker.returncode is None and latest is not None:
+                found[worker.local_rank] = latest + offset
+        return found
+
+    async def _run_hangs(self) -> None:
+        assert self._tg is not None
+        tg = self._tg
+        hooks = WorkerHooks(
+            {w.local_rank: w for w in self._workers},  # every worker has started by now
+            self._hang_texts,
+            lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+        )
+        self._hang_scope = anyio.CancelScope()
+        if self._stopping:
+            return
+        with self._hang_scope:
+            await self._hangs.run(hooks)
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -627,6 +686,8 @@ class PContext:
             await self._stopped.wait()
             return
         self._stopping = True
+        if self._hang_scope is not None:
+            self._hang_scope.cancel()
         try:
             with anyio.CancelScope(shield=True):
                 await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
@@ -664,6 +725,7 @@ class PContext:
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):
             for stream in (console("stdout"), console("stderr")):
                 await stream.flush()
+        self._hangs.close()
         self._remove_temporary_logs()
 
     def _remove_temporary_logs(self) -> None:
@@ -727,6 +789,11 @@ def _plain(pump: dict[str, Any]) -> bool:
     return pump["console"] is not None and not pump["prefix"] and pump["log_path"] is None
 
 
+def _runs_stack_hook(args: tuple[Any, ...]) -> bool:
+    """Whether a binary's arguments run a script through the stack hook (docs/hangs.md)."""
+    return any(a == "-m" and b == "aioelastic._stack_hook" for a, b in itertools.pairwise(args))
+
+
 async def _feed_payload(fd: int, payload: bytes) -> None:
     """Write the pickled call into a new worker's payload pipe, then close it."""
     os.set_blocking(fd, False)
@@ -757,6 +824,7 @@ def start_processes(
     forkserver_preload: Collection[str] = (),
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -775,6 +843,10 @@ def start_processes(
         forkserver_preload: Modules the fork server imports once for all workers.
         local_ranks_filter: Ranks whose console output is shown (all when ``None``).
         log_line_prefix: Template with ``${role_name} ${rank} ${local_rank} ${hostname}``.
+        stall_timeout: Seconds without output or timer request from any worker after
+            which the group is reported stalled, with every stack, and stopped (off when
+            ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
+            torch's file timer. See docs/hangs.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -793,7 +865,7 @@ def start_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
     )
-    return PContext(spec)
+    return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
 
 async def run_processes(
@@ -810,6 +882,7 @@ async def run_processes(
     forkserver_preload: Collection[str] = (),
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -825,6 +898,7 @@ async def run_processes(
         forkserver_preload=forkserver_preload,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
+        stall_timeout=stall_timeout,
     )
     async with ctx:
         result = await ctx.wait()

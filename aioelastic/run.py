@@ -203,6 +203,9 @@ def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tupl
         local_ranks_filter=plan.local_ranks_filter,
         restart_backoff=backoff,
         no_retry_exit_codes=plan.no_retry_exit_codes,
+        stall_timeout=plan.stall_timeout,
+        metrics_port=plan.metrics_port,
+        metrics_host=plan.metrics_host,
     )
     if plan.run_path:
         # By its importable name: under ``python -m aioelastic.run`` this module is
@@ -210,6 +213,11 @@ def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tupl
         from . import run as this_module
 
         return config, this_module.run_script_path, (plan.entrypoint, *plan.args)
+    if plan.entrypoint == sys.executable and plan.args[:1] == ("-u",):
+        # Our own interpreter: run the script through the stack hook (docs/hangs.md), which
+        # registers the handler answering stack requests, then runs it as `python -u`
+        # would. Another interpreter (PYTHON_EXEC) may lack aioelastic: left as it is.
+        return config, plan.entrypoint, ("-u", "-m", "aioelastic._stack_hook", *plan.args[1:])
     return config, plan.entrypoint, plan.args
 
 
