@@ -317,6 +317,10 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
     (["--start-method", "thread"], {}, [lambda: _config(start_method="thread"),
                                         lambda: _start(start_method="thread")],
      "'thread' is not one of 'spawn', 'fork', 'forkserver'"),
+    (["--stall-timeout", "0"], {}, [lambda: _config(stall_timeout=0),
+                                    lambda: _start(stall_timeout=0)], "0 is not > 0 seconds"),
+    (["--metrics-port", "70000"], {}, [lambda: _config(metrics_port=70000)],
+     "70000 is not a port number 0..65535"),
 ]  # fmt: skip
 
 
