@@ -21,6 +21,9 @@ from benchmarks._report import build_rows, check_claims, render_table, summarise
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import Capture, count_lines
 
+# The harness times torch's side of every row: it needs torch.
+pytestmark = pytest.mark.torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -294,7 +294,10 @@ def file_timer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("file_timer")
-@pytest.mark.parametrize(("client", "method"), [("torch", "spawn"), ("ours", "forkserver")])
+@pytest.mark.parametrize(
+    ("client", "method"),
+    [pytest.param("torch", "spawn", marks=pytest.mark.torch), ("ours", "forkserver")],
+)
 async def test_expired_function_worker_fails_with_reason_and_stack(
     tmp_path: Path, client: str, method: str
 ) -> None:
@@ -357,6 +360,7 @@ async def test_unchanged_script_arming_a_timer_is_caught(tmp_path: Path, client:
 
 
 @pytest.mark.asyncio
+@pytest.mark.torch
 @pytest.mark.usefixtures("file_timer")
 async def test_quiet_but_armed_and_busy_workers_are_left_alone(tmp_path: Path) -> None:
     ready = ReadyFifo(tmp_path)
