@@ -46,6 +46,7 @@ import anyio.to_thread
 from . import _platform, _subreaper
 from ._exit_watch import StatusPipeWatch, encode_status
 from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
+from ._preload import UnforkablePreloadError, import_preload
 
 logger = logging.getLogger("aioelastic.forkserver")
 
@@ -113,8 +114,10 @@ def main(control_fd: int, parent_pid: int) -> None:
     prep_data, preload = pickle.loads(setup_msg)
     try:
         multiprocessing.spawn.prepare(prep_data)
-        for module in preload:
-            __import__(module)
+        import_preload(preload)
+    except UnforkablePreloadError as e:
+        _reply_error(sock, str(e))
+        return
     except BaseException:
         _reply_error(sock, traceback.format_exc())
         return
@@ -343,6 +346,14 @@ class ForkServer:
                     "the fork server (pid %s) is gone (%s); starting a fresh one", pid, gone
                 )
         raise AssertionError("unreachable")
+
+    async def warm_up(self) -> None:
+        """Start the server (its preload import) now, unless it is running or starting.
+
+        Raises:
+            ForkServerError: the server could not import its preload.
+        """
+        await self._running()
 
     async def _running(self) -> socket.socket:
         """The socket of a live server; starts one (only one task does) if there is none."""
