@@ -31,7 +31,7 @@ from typing import IO, Any
 
 __all__ = ["ScriptRun"]
 
-_RUNNER_FILES = frozenset({__file__, runpy.__file__, "<frozen runpy>"})
+_RUNNER_FILES = frozenset({__file__})
 
 
 class ScriptRun:
@@ -69,7 +69,10 @@ def _run(target: str, module: bool, args: tuple[str, ...]) -> None:
         if module:
             sys.argv = ["-m", *args]
             sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            # What ``python -m`` itself calls (so a traceback shows the same runpy
+            # frames), in a fresh ``__main__`` module as the interpreter's own.
+            sys.modules["__main__"] = _fresh_main()
+            runpy._run_module_as_main(target, alter_argv=True)  # type: ignore[attr-defined]
         else:
             sys.argv = [target, *args]
             sys.path[0] = os.path.dirname(os.path.realpath(target))
@@ -111,22 +114,27 @@ def _run_file(target: str) -> None:
     with open(path, "rb") as f:
         source = f.read()
     code = compile(source, path, "exec", dont_inherit=True)
-    main = types.ModuleType("__main__")
+    main = _fresh_main()
     main.__dict__.update(
         __file__=path,
         __cached__=None,
-        __builtins__=builtins,
         __loader__=importlib.machinery.SourceFileLoader("__main__", path),
     )
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
 
 
+def _fresh_main() -> types.ModuleType:
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = builtins
+    return main
+
+
 def _print_uncaught(exc: BaseException) -> None:
     """``sys.excepthook`` on the traceback python would show: from the script's frames on.
 
-    The frames of this module and of runpy come first; a fresh interpreter has none of
-    them (a SyntaxError in the script then shows no frame at all, as python shows it).
+    The frames of this module come first; a fresh interpreter has none of them (a
+    SyntaxError in the script then shows no frame at all, as python shows it).
     """
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename in _RUNNER_FILES:

@@ -71,6 +71,14 @@ def run(argv: Sequence[str] | None = None) -> int:
         # Built here, before anything runs: a value the launch API refuses is a usage
         # error of the command line too (exit 2), not a launcher failure.
         config, entrypoint, script_args = launch_config(plan, None)
+        if plan.preload:
+            # Checked now, as a usage error; the import itself runs during the rendezvous.
+            from ._validate import _check_preload
+
+            try:
+                _check_preload(plan.preload)
+            except ValueError as e:
+                raise ValueError(f"--preload: {e}") from None
     except (ValueError, TypeError) as e:
         usage_error(str(e))
     _configure_logging()
