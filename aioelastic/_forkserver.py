@@ -16,7 +16,7 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
 * server -> client ``E<text>``: the setup or a fork failed (the server carries on after a
-  failed fork).
+  failed fork); ``U<text>``: the preload left it unsafe to fork (threads, CUDA).
 
 A server that died (killed, crashed) is noticed by the next start — its pid is gone, or the
 socket reports a broken pipe, a reset or end-of-file — and replaced by a fresh one; the
@@ -116,7 +116,7 @@ def main(control_fd: int, parent_pid: int) -> None:
         multiprocessing.spawn.prepare(prep_data)
         import_preload(preload)
     except UnforkablePreloadError as e:
-        _reply_error(sock, str(e))
+        sock.sendmsg([b"U" + str(e).encode(errors="replace")[: _MAX_MSG - 1]])
         return
     except BaseException:
         _reply_error(sock, traceback.format_exc())
@@ -422,6 +422,8 @@ class ForkServer:
             ours.close()
             _kill_and_reap(popen)
             detail = answer[1:].decode(errors="replace") if answer else "it exited at start"
+            if answer[:1] == b"U":
+                raise ForkServerError(f"the fork server cannot fork workers safely: {detail}")
             raise ForkServerError(
                 f"the fork server could not import forkserver_preload={list(self.preload)}: "
                 f"{detail.strip()}"

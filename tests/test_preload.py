@@ -182,3 +182,34 @@ def test_preload_usage_errors_exit_2(argv: list[str], env: dict[str, str], fragm
     assert run.proc.returncode == 2, run.stderr
     assert fragment in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_preload_that_initialised_cuda_is_refused_naming_the_module(tmp_path: Path) -> None:
+    # No GPU here: a stand-in ``torch`` whose CUDA reports itself initialised, imported by
+    # the preloaded module as a real one would be.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "class cuda:\n    @staticmethod\n    def is_initialized():\n        return True\n"
+    )
+    (tmp_path / "uses_cuda.py").write_text("import torch\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    run = launch("--preload", "uses_cuda", PROBE, "argv", env=with_env(PYTHONPATH=path))
+    assert run.proc.returncode == 1, run.stderr
+    assert (
+        "preloading 'uses_cuda' initialised CUDA, which a forked worker cannot use: drop "
+        "'uses_cuda' from --preload"
+    ) in run.stderr
+    assert _facts(run.stdout) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_syntax_error_reads_as_in_a_fresh_interpreter(tmp_path: Path) -> None:
+    script = tmp_path / "broken.py"
+    script.write_text("x = (\n")
+    fresh = launch(str(script))
+    warm = launch("--preload", "json", str(script))
+    assert fresh.proc.returncode == warm.proc.returncode == 1
+    assert "SyntaxError: '(' was never closed" in warm.stderr
+    assert _worker_stderr(warm.stderr) == _worker_stderr(fresh.stderr)
+    assert _root_cause(warm.stderr) == _root_cause(fresh.stderr)
