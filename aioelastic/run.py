@@ -82,6 +82,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         usage_error(str(e))
     _configure_logging()
+    if plan.preload and plan.nproc_per_node > 1:
+        # What torchrun does in its own environment, and here before the fork server is
+        # started with it: OpenMP reads OMP_NUM_THREADS once, when a preloaded torch loads
+        # it, so the workers forked later could not lower it any more.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     for warning in plan.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     # The launcher owns its supervision: a descendant of a worker that left the worker's

@@ -50,6 +50,8 @@ CASES = {
     "sys.exit(3)": (["exit", "3"], 3),
     "sys.exit(258)": (["exit", "258"], 2),
     "sys.exit('bye')": (["exit-text"], 1),
+    "os._exit(0)": (["os-exit", "0"], 0),
+    "os._exit(5)": (["os-exit", "5"], 5),
     "uncaught exception": (["raise"], 1),
     "shutdown: threads joined, atexit run": (["shutdown"], 0),
 }
@@ -213,3 +215,30 @@ def test_a_syntax_error_reads_as_in_a_fresh_interpreter(tmp_path: Path) -> None:
     assert "SyntaxError: '(' was never closed" in warm.stderr
     assert _worker_stderr(warm.stderr) == _worker_stderr(fresh.stderr)
     assert _root_cause(warm.stderr) == _root_cause(fresh.stderr)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+def test_a_preloaded_torch_uses_the_thread_count_of_a_fresh_worker() -> None:
+    # OpenMP reads OMP_NUM_THREADS when torch loads it: in the server, not in the worker.
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    fresh = launch("--nproc-per-node", "2", PROBE, "torch", env=env)
+    warm = launch("--nproc-per-node", "2", "--preload", "torch", PROBE, "torch", env=env)
+    assert fresh.proc.returncode == warm.proc.returncode == 0, warm.stderr
+    assert re.findall(r"torch threads=\d+", warm.stdout) == ["torch threads=1"] * 2
+    assert re.findall(r"torch threads=\d+", fresh.stdout) == ["torch threads=1"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.torch
+@pytest.mark.timeout(300)
+def test_ddp_under_a_preloaded_torch_gives_the_same_parameters(tmp_path: Path) -> None:
+    cli = str(REPO / "tests" / "children" / "cli.py")
+    outs = {}
+    for name, extra in (("fresh", []), ("warm", ["--preload", "torch,torch.distributed"])):
+        out = tmp_path / f"{name}.json"
+        run = launch("--nproc-per-node", "2", *extra, cli, "ddp", "--out", str(out), timeout=240)
+        assert run.proc.returncode == 0, run.stderr
+        outs[name] = json.loads(out.read_text())
+    assert outs["warm"]["world_size"] == 2
+    assert outs["warm"] == outs["fresh"]

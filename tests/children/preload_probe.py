@@ -4,12 +4,13 @@
 see of its interpreter: ``__file__``, ``__name__``, ``__spec__``, ``sys.argv``, ``sys.path``,
 signal dispositions, stdio buffering, the torchrun variables), then:
 
-* ``exit N``: ``sys.exit(N)``; ``exit-text``: ``sys.exit("bye")``;
+* ``exit N``: ``sys.exit(N)``; ``os-exit N``: ``os._exit(N)``; ``exit-text``: ``sys.exit("bye")``;
 * ``raise``: an uncaught ValueError;
 * ``record``: an uncaught ValueError through ``aioelastic.record`` (writes the error file);
 * ``wait``: prints ``ready pid=<pid>`` and waits for a signal (SIGINT: KeyboardInterrupt);
 * ``shutdown``: a non-daemon thread and an ``atexit`` handler that print at exit;
 * ``restart``: prints ``parent=<ppid> count=<restart count>``, exits 3 before restart 2;
+* ``torch``: prints ``torch threads=<torch.get_num_threads()>``;
 * ``argv A B``: nothing more.
 """
 
@@ -57,6 +58,8 @@ def main() -> None:
     print("FACTS " + json.dumps(facts(), sort_keys=True), flush=True)
     if action == "exit":
         sys.exit(int(sys.argv[2]))
+    if action == "os-exit":
+        os._exit(int(sys.argv[2]))
     if action == "exit-text":
         sys.exit("bye")
     if action == "raise":
@@ -77,6 +80,10 @@ def main() -> None:
         count = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
         print(f"parent={os.getppid()} count={count}", flush=True)
         sys.exit(0 if count == 2 else 3)
+    if action == "torch":
+        import torch
+
+        print(f"torch threads={torch.get_num_threads()}", flush=True)
     if action == "shutdown":
         started = threading.Event()
 
