@@ -188,7 +188,7 @@ def _text_stream(fd: int, like: IO[Any] | None, errors: str) -> io.TextIOWrapper
     encoding = getattr(like, "encoding", None) or "utf-8"
     errors = getattr(like, "errors", None) or errors
     raw = io.FileIO(fd, "w", closefd=False)
-    # FileIO is what ``-u`` puts under the text layer; TextIOWrapper wants a buffered type.
+    # No buffer between the text layer and the fd: what ``-u`` makes.
     return io.TextIOWrapper(
         raw,
         encoding=encoding,
