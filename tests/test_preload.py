@@ -125,7 +125,8 @@ def test_record_writes_the_error_file_that_the_report_quotes(tmp_path: Path) -> 
 
 @pytest.mark.timeout(120)
 def test_restarts_fork_from_the_same_warm_server() -> None:
-    run = launch("--max-restarts", "2", "--preload", "json", PROBE, "restart")
+    # Set through the environment, as every flag can be.
+    run = launch("--max-restarts", "2", PROBE, "restart", env=with_env(PET_PRELOAD="json"))
     assert run.proc.returncode == 0, run.stderr
     seen = re.findall(r"parent=(\d+) count=(\d)", run.stdout)
     assert sorted(count for _, count in seen) == ["0", "1", "2"]
