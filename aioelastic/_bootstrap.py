@@ -27,6 +27,7 @@ from typing import Any, NoReturn
 
 from . import _platform
 from ._result_pipe import send_result
+from ._script import ScriptRun
 from ._stack_hook import install_from_env as install_stack_dumps
 
 
@@ -43,6 +44,8 @@ class FunctionCall:
 def run_call(call: FunctionCall, result_fd: int) -> int:
     """Run the call, report its outcome, and return the process exit code."""
     install_stack_dumps()
+    if isinstance(call.fn, ScriptRun):
+        return _run_script(call.fn, call.args, result_fd)
     try:
         value = call.fn(*call.args)
     except SystemExit as exc:
@@ -75,6 +78,21 @@ def run_call(call: FunctionCall, result_fd: int) -> int:
         send_result(result_fd, payload)
     except BrokenPipeError:
         return 1  # the supervisor is gone; the parent-death signal follows
+    return 0
+
+
+def _run_script(script: ScriptRun, args: tuple[Any, ...], result_fd: int) -> int:
+    """A script (``--preload``): its outcome is its exit status alone, as for ``python``.
+
+    Its "return value" None is sent before it runs: a script may end with ``os._exit(0)``
+    (torch users do, to skip slow destructors), which is a success, and whatever it ends
+    with must not write into an fd the script may have reused.
+    """
+    send_result(result_fd, pickle.dumps(None))
+    try:
+        script(*args)
+    except SystemExit as exc:
+        return _exit_code_of(exc)
     return 0
 
 

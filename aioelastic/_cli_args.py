@@ -361,6 +361,17 @@ FLAGS: tuple[Flag, ...] = (
         metavar="SECONDS",
     ),
     Flag(
+        ("--preload",),
+        cli_type(values.module_names, "MODULES"),
+        "",
+        "Modules (e.g. torch) imported once by a warm interpreter, which then forks every "
+        "worker and runs the script in it as python would (same __main__, sys.argv, "
+        "sys.path[0], exit codes, signals); restarts fork from it again. Not with "
+        "--no-python.",
+        ours=True,
+        metavar="MODULES",
+    ),
+    Flag(
         ("--no-retry-exit-codes",),
         cli_type(values.exit_codes, "CODES"),
         "",
@@ -548,6 +559,9 @@ class LaunchPlan:
             ``run_path`` the script path).
         args: its arguments.
         run_path: run ``entrypoint`` through ``runpy.run_path`` in a function worker.
+        preload: modules a warm fork server imports; when set, ``entrypoint`` is the script
+            (or module, see ``module``) that each worker forked from it runs as ``__main__``.
+        module: the script is a module name (``-m``).
         warnings: things the user should know that do not stop the launch (as torchrun's
             log warnings).
     """
@@ -587,6 +601,8 @@ class LaunchPlan:
     args: tuple[str, ...]
     run_path: bool
     warnings: tuple[str, ...]
+    preload: tuple[str, ...] = ()
+    module: bool = False
 
 
 def plan_from_args(
@@ -714,6 +730,13 @@ def plan_from_args(
                 f"0..{nproc - 1} (--nproc-per-node {nproc})"
             )
     entrypoint, cmd_args = _command(args, environ)
+    if args.preload:
+        python = environ.get("PYTHON_EXEC")
+        if python is not None and python != sys.executable:
+            warnings.append(
+                f"--preload forks workers from this launcher's interpreter "
+                f"({sys.executable}); PYTHON_EXEC={python!r} is not used"
+            )
     return LaunchPlan(
         min_nodes=min_nodes,
         max_nodes=max_nodes,
@@ -750,6 +773,8 @@ def plan_from_args(
         args=cmd_args,
         run_path=args.run_path,
         warnings=tuple(warnings),
+        preload=args.preload,
+        module=args.module and not args.run_path,
     )
 
 
@@ -837,6 +862,13 @@ def _command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str,
             raise ValueError(
                 f"--run-path needs the script as an absolute path, got {script!r}; "
                 f"use {os.path.abspath(script)!r}"
+            )
+        return script, rest
+    if args.preload and not args.run_path:
+        if args.no_python:
+            raise ValueError(
+                "--preload and --no-python cannot be used together: --preload forks Python "
+                "workers from a warm interpreter, --no-python runs an executable; drop one"
             )
         return script, rest
     if args.no_python:

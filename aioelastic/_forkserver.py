@@ -16,7 +16,7 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
 * server -> client ``E<text>``: the setup or a fork failed (the server carries on after a
-  failed fork).
+  failed fork); ``U<text>``: the preload left it unsafe to fork (threads, CUDA).
 
 A server that died (killed, crashed) is noticed by the next start — its pid is gone, or the
 socket reports a broken pipe, a reset or end-of-file — and replaced by a fresh one; the
@@ -46,6 +46,7 @@ import anyio.to_thread
 from . import _platform, _subreaper
 from ._exit_watch import StatusPipeWatch, encode_status
 from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
+from ._preload import UnforkablePreloadError, import_preload
 
 logger = logging.getLogger("aioelastic.forkserver")
 
@@ -113,8 +114,10 @@ def main(control_fd: int, parent_pid: int) -> None:
     prep_data, preload = pickle.loads(setup_msg)
     try:
         multiprocessing.spawn.prepare(prep_data)
-        for module in preload:
-            __import__(module)
+        import_preload(preload)
+    except UnforkablePreloadError as e:
+        sock.sendmsg([b"U" + str(e).encode(errors="replace")[: _MAX_MSG - 1]])
+        return
     except BaseException:
         _reply_error(sock, traceback.format_exc())
         return
@@ -344,6 +347,14 @@ class ForkServer:
                 )
         raise AssertionError("unreachable")
 
+    async def warm_up(self) -> None:
+        """Start the server (its preload import) now, unless it is running or starting.
+
+        Raises:
+            ForkServerError: the server could not import its preload.
+        """
+        await self._running()
+
     async def _running(self) -> socket.socket:
         """The socket of a live server; starts one (only one task does) if there is none."""
         while True:
@@ -411,6 +422,8 @@ class ForkServer:
             ours.close()
             _kill_and_reap(popen)
             detail = answer[1:].decode(errors="replace") if answer else "it exited at start"
+            if answer[:1] == b"U":
+                raise ForkServerError(f"the fork server cannot fork workers safely: {detail}")
             raise ForkServerError(
                 f"the fork server could not import forkserver_preload={list(self.preload)}: "
                 f"{detail.strip()}"

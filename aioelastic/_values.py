@@ -35,6 +35,7 @@ __all__ = [
     "endpoint",
     "exit_codes",
     "field",
+    "module_names",
     "name",
     "nnodes",
     "node_range",
@@ -338,6 +339,30 @@ def prefix_template(value: object) -> str | None:
 
 
 # -- lists ---------------------------------------------------------------------------
+
+
+def module_names(value: object) -> tuple[str, ...]:
+    """Modules to import, ``"torch,numpy"`` or ``("torch", "numpy")``; ``""`` for none.
+
+    Each must be a dotted name of identifiers (``torch.nn``); whether it is installed is
+    found when it is imported.
+    """
+    if isinstance(value, str):
+        items: list[object] = [item.strip() for item in value.split(",")] if value.strip() else []
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise TypeError(f"{value!r} is not a comma-separated list of module names")
+    names: list[str] = []
+    for item in items:
+        if not isinstance(item, str) or not all(part.isidentifier() for part in item.split(".")):
+            raise ValueError(
+                f"{item!r} is not a module name; give importable names separated by commas, "
+                "e.g. torch,numpy"
+            )
+        if item not in names:
+            names.append(item)
+    return tuple(names)
 
 
 def _items(value: object, what: str, example: str) -> list[object]:

@@ -71,9 +71,22 @@ def run(argv: Sequence[str] | None = None) -> int:
         # Built here, before anything runs: a value the launch API refuses is a usage
         # error of the command line too (exit 2), not a launcher failure.
         config, entrypoint, script_args = launch_config(plan, None)
+        if plan.preload:
+            # Checked now, as a usage error; the import itself runs during the rendezvous.
+            from ._validate import _check_preload
+
+            try:
+                _check_preload(plan.preload)
+            except ValueError as e:
+                raise ValueError(f"--preload: {e}") from None
     except (ValueError, TypeError) as e:
         usage_error(str(e))
     _configure_logging()
+    if plan.preload and plan.nproc_per_node > 1:
+        # What torchrun does in its own environment, and here before the fork server is
+        # started with it: OpenMP reads OMP_NUM_THREADS once, when a preloaded torch loads
+        # it, so the workers forked later could not lower it any more.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
     for warning in plan.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     # The launcher owns its supervision: a descendant of a worker that left the worker's
@@ -130,7 +143,19 @@ async def _launch(plan: LaunchPlan, config: Any, entrypoint: Any, args: tuple[st
     try:
         try:
             config.log_dir = job_dir
-            await elastic_launch(config, entrypoint)(*args)
+            failure: Exception | None = None
+            async with anyio.create_task_group() as warm_up:
+                if plan.preload:
+                    # The preload import (seconds for torch) overlaps the rendezvous; the
+                    # first worker start then finds the server warm, or waits for it.
+                    warm_up.start_soon(_warm_up, plan.preload)
+                try:
+                    await elastic_launch(config, entrypoint)(*args)
+                except Exception as e:
+                    failure = e  # raised below, not wrapped in the task group's group
+                warm_up.cancel_scope.cancel()
+            if failure is not None:
+                raise failure
         except ChildFailedError as error:
             print(error.format_msg(), file=sys.stderr, flush=True)
             if os.environ.get(ERROR_FILE_ENV):
@@ -148,6 +173,15 @@ async def _launch(plan: LaunchPlan, config: Any, entrypoint: Any, args: tuple[st
     finally:
         if temporary:
             log_root.remove_if_empty(Path(job_dir), "this run")
+
+
+async def _warm_up(preload: tuple[str, ...]) -> None:
+    from ._forkserver import ForkServerError, fork_server
+
+    try:
+        await fork_server(preload).warm_up()
+    except ForkServerError:
+        pass  # the first worker start reports it, as part of the launch
 
 
 def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tuple[str, ...]]:
@@ -191,7 +225,9 @@ def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tupl
         rdzv_configs=rdzv_configs,
         max_restarts=plan.max_restarts,
         monitor_interval=plan.monitor_interval,
-        start_method=plan.start_method,
+        # --preload: every worker is forked from the warm server and runs the script.
+        start_method="forkserver" if plan.preload else plan.start_method,
+        forkserver_preload=plan.preload,
         log_line_prefix_template=plan.log_line_prefix_template,
         local_addr=plan.local_addr,
         signals_to_handle=plan.signals_to_handle_text,
@@ -207,6 +243,10 @@ def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tupl
         metrics_port=plan.metrics_port,
         metrics_host=plan.metrics_host,
     )
+    if plan.preload:
+        from . import _script
+
+        return config, _script.ScriptRun(plan.entrypoint, plan.module), plan.args
     if plan.run_path:
         # By its importable name: under ``python -m aioelastic.run`` this module is
         # ``__main__``, which a spawned worker could not unpickle a function from.
