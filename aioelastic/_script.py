@@ -1,17 +1,19 @@
-"""Run a script in a forked worker exactly as ``python -u script.py args`` would.
+"""Run a script in a worker exactly as ``python -u script.py args`` would.
 
-The worker side of ``aioelastic-run --preload``: a fork of a warm fork server calls
-a `ScriptRun`, which makes the process look like a fresh interpreter that was started on
-the script — ``__name__ == "__main__"``, ``__file__`` absolute, ``__spec__`` None (or the
-module's spec with ``-m``), ``sys.argv``, ``sys.path[0]`` the script's directory (the
-current directory with ``-m``), unbuffered stdout and stderr as under ``-u`` — and that
-ends as one would: ``sys.exit(n)`` exits n, an uncaught exception prints its traceback
-through ``sys.excepthook`` and exits 1, an uncaught KeyboardInterrupt kills the process
-with SIGINT, non-daemon threads are joined and ``atexit`` handlers run first.
+The worker side of ``aioelastic-run --preload`` (a fork of a warm fork server calls a
+`ScriptRun`) and of every script worker started fresh (``python -m
+aioelastic._stack_hook script.py``, see :mod:`._stack_hook`). `run_as_main` makes the
+process look like a fresh interpreter that was started on the script —
+``__name__ == "__main__"``, ``__file__`` absolute, ``__spec__`` None (or the module's spec
+with ``-m``), ``sys.argv``, ``sys.path[0]`` the script's directory (the current directory
+with ``-m``), unbuffered stdout and stderr as under ``-u`` — and ends as one would:
+``sys.exit(n)`` exits n, an uncaught exception prints its traceback through
+``sys.excepthook`` and exits 1, an uncaught KeyboardInterrupt kills the process with
+SIGINT, non-daemon threads are joined and ``atexit`` handlers run first.
 
-What cannot be the same: the modules the server preloaded (and the launcher's own, such as
-``aioelastic``) are already imported, and stdin is ``/dev/null`` (a forked worker never
-reads the terminal).
+What cannot be the same under ``--preload``: the modules the server preloaded (and the
+launcher's own, such as ``aioelastic``) are already imported, and stdin is ``/dev/null`` (a
+forked worker never reads the terminal).
 """
 
 from __future__ import annotations
@@ -51,11 +53,11 @@ class ScriptRun:
         self.__name__ = target
 
     def __call__(self, *args: str) -> None:
-        """Run the script with ``args`` as ``sys.argv[1:]`` (see `_run`)."""
-        _run(self.target, self.module, args)
+        """Run the script with ``args`` as ``sys.argv[1:]`` (see `run_as_main`)."""
+        run_as_main(self.target, self.module, args)
 
 
-def _run(target: str, module: bool, args: tuple[str, ...]) -> None:
+def run_as_main(target: str, module: bool, args: tuple[str, ...]) -> None:
     """Run ``target`` as ``__main__`` in this process, then end as python would.
 
     Returns normally only when the script succeeded (exit status 0); a failure leaves as

@@ -14,17 +14,15 @@ forward ``SIGUSR1``/``SIGUSR2``/``SIGTERM``, never it.
 
 Function workers call :func:`install_from_env` in their bootstrap. Scripts we did not
 write are started as ``python -m aioelastic._stack_hook script.py args...`` (see
-:func:`script_argv`): :func:`main` installs the handler, then runs the script with
-:mod:`runpy` the way ``python script.py`` would (``sys.argv``, ``sys.path[0]``,
-``__main__``). This module imports nothing beyond the stdlib: it runs before user code.
+:func:`script_argv`): :func:`main` installs the handler, then runs the script through
+:func:`aioelastic._script.run_as_main`, the way ``python script.py`` would (``sys.argv``,
+``sys.path[0]``, ``__main__``, tracebacks, exit status). Both import nothing beyond the
+stdlib: they run before user code.
 """
 
 from __future__ import annotations
 
-import builtins
 import faulthandler
-import importlib.machinery
-import io
 import os
 import signal
 import sys
@@ -70,54 +68,17 @@ def script_argv(python: str, script: str, args: list[str], *, module: bool = Fal
 def main(argv: list[str] | None = None) -> None:
     """Install the handler, then run a script or module as ``python`` would."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
+    if not args or (args[0] == "-m" and len(args) < 2):
         raise SystemExit("usage: python -m aioelastic._stack_hook (SCRIPT | -m MODULE) [ARGS]")
     install_from_env()
-    import runpy  # here, not at the top: function workers import this module too
+    # The one way a script is run as __main__ (also under --preload): the same
+    # sys.argv, sys.path[0], __main__, traceback and exit status as python's own.
+    from ._script import run_as_main
 
     if args[0] == "-m":
-        if len(args) < 2:
-            raise SystemExit("usage: python -m aioelastic._stack_hook -m MODULE [ARGS]")
-        module = args[1]
-        sys.argv = [module, *args[2:]]
-        # python -m puts the current directory first on sys.path.
-        sys.path[0] = os.getcwd()
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-        return
-    script = args[0]
-    sys.argv = [script, *args[1:]]
-    # python script.py puts the script's directory first on sys.path (symlinks resolved),
-    # where -m put the current directory.
-    sys.path[0] = os.path.dirname(os.path.realpath(script))
-    if os.path.isdir(script):
-        import runpy
-
-        runpy.run_path(script, run_name="__main__")  # a directory with __main__.py
-        return
-    _run_file_as_main(script)
-
-
-def _run_file_as_main(script: str) -> None:
-    # Not runpy.run_path: it rewrites sys.argv[0] to the resolved path while the script
-    # runs and puts a temporary module in sys.modules. python itself executes the file in
-    # a fresh __main__ whose __file__ is absolute (3.9+) and leaves argv[0] as given.
-    path = os.path.abspath(script)
-    with io.open_code(path) as f:
-        source = f.read()
-    if b"\0" in source:
-        # Not source text (which cannot hold NUL): a zip application with __main__.py.
-        import runpy
-
-        runpy.run_path(script, run_name="__main__")
-        return
-    main_module = type(sys)("__main__")
-    main_module.__file__ = path
-    main_module.__cached__ = None  # type: ignore[attr-defined]
-    main_module.__builtins__ = builtins  # type: ignore[attr-defined]
-    main_module.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
-    sys.modules["__main__"] = main_module
-    # compile() reads a coding cookie from bytes, as the interpreter does for a script.
-    exec(compile(source, path, "exec"), main_module.__dict__)
+        run_as_main(args[1], True, tuple(args[2:]))
+    else:
+        run_as_main(args[0], False, tuple(args[1:]))
 
 
 if __name__ == "__main__":
