@@ -26,7 +26,7 @@ import anyio
 
 from . import _values as values
 from ._stack_hook import STACK_SIGNAL
-from ._stacks import DEFAULT_TIMEOUT, StackChannels
+from ._stacks import DEFAULT_TIMEOUT, StackChannels, py_spy_dump
 from ._stall import RankActivity, StallReport, wait_for_stall
 from ._timer_server import ENABLE_ENV, FILE_ENV, Expiry, TimerServer
 from ._worker import WorkerProcess
@@ -158,12 +158,21 @@ class HangGuard:
     ) -> dict[int, str]:
         """Every thread's stack of each ``{rank: pid}``, without stopping them."""
         asked = {r: p for r, p in pids.items() if r in self._answering}
-        found = await self._stacks.capture(asked, timeout or self.config.stack_timeout)
-        for rank in pids.keys() - asked.keys():
-            found[rank] = (
+        bound = timeout or self.config.stack_timeout
+        found = await self._stacks.capture(asked, bound)
+
+        async def from_outside(rank: int) -> None:
+            # No hook in this worker: py-spy, where installed, reads it from outside.
+            dump = await py_spy_dump(pids[rank], bound)
+            found[rank] = dump or (
                 f"(no Python stack: local rank {rank} runs a binary without aioelastic's "
-                "stack hook; see docs/hangs.md)\n"
+                "stack hook, and py-spy is not installed or may not trace it; see "
+                "docs/hangs.md)\n"
             )
+
+        async with anyio.create_task_group() as tg:  # all at once: one bound in all
+            for rank in pids.keys() - asked.keys():
+                tg.start_soon(from_outside, rank)
         return dict(sorted(found.items()))
 
     async def run(self, hooks: HangHooks) -> None:

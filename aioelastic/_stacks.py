@@ -215,3 +215,24 @@ def no_stack(pid: int, timeout: float) -> str:
         "it is not a Python process started by aioelastic, it replaced the handler, or it "
         "exited)\n"
     )
+
+
+async def py_spy_dump(pid: int, timeout: float) -> str | None:
+    """Every thread's stack of ``pid`` by ``py-spy dump``, where it is installed.
+
+    The fallback for a worker that has no stack hook (a Python binary started without
+    it): py-spy reads the stacks from outside through ptrace, so it needs no cooperation
+    from the worker, but it needs ptrace rights (often refused in containers) and is an
+    optional install. ``None`` when it is missing, refused or too slow.
+    """
+    tool = shutil.which("py-spy")
+    if tool is None:
+        return None
+    with anyio.move_on_after(timeout):
+        try:
+            done = await anyio.run_process([tool, "dump", "--pid", str(pid)], check=False)
+        except OSError:
+            return None
+        if done.returncode == 0 and done.stdout:
+            return done.stdout.decode("utf-8", "replace")[:MAX_DUMP]
+    return None

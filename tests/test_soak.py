@@ -63,6 +63,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aioelastic
 from aioelastic import Std, _launchers, _platform
+from aioelastic._forkserver import fork_server
+from tests.children import core as core_children
+from tests.children import errors as errors_children
 from tests.children import faults as faults_children
 from tests.children import soak
 from tests.conftest import _long_lived_helper_fds, _open_fds, _zombie_children
@@ -121,6 +124,8 @@ ENV_FAULTS = (
     "console pipe closed",
     "unpickling raises",
     "log disk full",
+    "error file is a FIFO",
+    "fork server killed",
 )
 METHOD_WEIGHTS = {"fork": 4, "forkserver": 4, "spawn": 1, "binary": 1}
 LOST = ("processes", "zombies", "fds", "temp files", "log lines")
@@ -946,6 +951,45 @@ async def run_env_fault(rnd: Round, directory: Path, audit: Audit, faults: Count
                 "worker 0 its return value could not be unpickled by the supervisor: SystemExit(3)",
             )
         }
+    elif kind == "error file is a FIFO":
+        # The worker replaces its error file by a FIFO and exits 7: reading it must not
+        # block, and the report keeps the worker's own exit code.
+        result = await aioelastic.run_processes(
+            "fifo",
+            errors_children.sabotage,
+            {0: ("fifo", "7")},
+            {0: {soak.ROUND_MARK: rnd.mark}},
+            start_method=rnd.method,
+        )
+        got = {
+            r: (f.exitcode, "error file unreadable" in f.message)
+            for r, f in result.failures.items()
+        }
+        want = {0: (7, True)}
+    elif kind == "fork server killed":
+        # A warm server killed between two starts is replaced on the next one.
+        preload = ("tests.children.core",)
+        first = await aioelastic.run_processes(
+            "warm",
+            core_children.add,
+            {0: (1, 2)},
+            {0: {}},
+            start_method="forkserver",
+            forkserver_preload=preload,
+        )
+        server = fork_server(preload).pid
+        if server is not None:
+            os.kill(server, signal.SIGKILL)
+        second = await aioelastic.run_processes(
+            "again",
+            core_children.add,
+            {0: (2, 2), 1: (3, 3)},
+            {0: {}, 1: {}},
+            start_method="forkserver",
+            forkserver_preload=preload,
+        )
+        got = (first.return_values, second.return_values, fork_server(preload).pid != server)
+        want = ({0: 3}, {0: 4, 1: 6}, True)
     else:
         try:
             result = await aioelastic.run_processes(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -376,10 +377,36 @@ async def test_a_plain_binary_keeps_torchruns_environment_and_answers_at_once(
     finally:
         ready.close()
     assert stacks == {
-        0: "(no Python stack: local rank 0 runs a binary without aioelastic's stack hook; "
-        "see docs/hangs.md)\n"
+        0: "(no Python stack: local rank 0 runs a binary without aioelastic's stack hook, "
+        "and py-spy is not installed or may not trace it; see docs/hangs.md)\n"
     }
     assert STACKS_FIFO_ENV not in (tmp_path / "env.txt").read_text()
+
+
+@pytest.mark.asyncio
+async def test_a_python_binary_without_the_hook_is_read_by_py_spy(tmp_path: Path) -> None:
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (it is in the dev extra)")
+    ready = ReadyFifo(tmp_path)
+    code = (
+        "import time\n"
+        "def waiting_for_a_peer_without_a_hook():\n"
+        f"    open({str(ready.path)!r}, 'w').write('ready\\n')\n"
+        "    time.sleep(3600)\n"
+        "waiting_for_a_peer_without_a_hook()\n"
+    )
+    try:
+        async with aioelastic.start_processes(
+            "nohook", sys.executable, {0: ("-c", code)}, {0: {}}, grace_period=5
+        ) as ctx:
+            await ready.lines(1)
+            begin = time.monotonic()
+            stacks = await ctx.dump_stacks(timeout=30)
+            assert time.monotonic() - begin < 10
+            assert ctx.pids()[0] > 0
+    finally:
+        ready.close()
+    assert "waiting_for_a_peer_without_a_hook" in stacks[0]
 
 
 def test_a_dump_in_progress_is_seen_in_the_kernels_signal_masks() -> None:
