@@ -149,6 +149,7 @@ def test_restarts_fork_from_the_same_warm_server() -> None:
     assert parents != {run.proc.pid}
 
 
+@pytest.mark.torch  # a two-node c10d rendezvous
 @pytest.mark.timeout(120)
 def test_the_warm_up_runs_while_the_rendezvous_waits_for_other_nodes() -> None:
     with socket.socket() as s:
