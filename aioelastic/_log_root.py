@@ -64,8 +64,16 @@ def remove_stale() -> None:
 
 
 def holds_files(root: Path) -> bool:
-    """Whether anything but directories is under ``root``."""
-    return any(not path.is_dir() or path.is_symlink() for path in root.rglob("*"))
+    """Whether anything but directories is under ``root``.
+
+    Never follows a symbolic link: a worker may leave one to ``/`` (or a loop) in its
+    directory, and ``Path.rglob`` before Python 3.13 would walk the whole filesystem
+    through it. A link is content to keep, like a file.
+    """
+    for dirpath, dirnames, filenames in os.walk(root):
+        if filenames or any(os.path.islink(os.path.join(dirpath, d)) for d in dirnames):
+            return True
+    return False
 
 
 def _pid_alive(pid: int) -> bool:
