@@ -7,8 +7,9 @@ One rule for every entry point (``start_processes``, the elastic agent, ``aioela
 * When the run ends, the root is removed if it holds no file, and kept otherwise: logs and
   error files are the user's, never deleted.
 * Error files are written by the workers themselves, so a root must exist before they start
-  and cannot be made lazily; a supervisor that is SIGKILLed cannot remove its own. So each
-  new temporary root first removes the *stale* ones: empty roots whose owner pid is gone.
+  and cannot be made lazily; a supervisor that is SIGKILLed cannot remove its own. So the
+  first temporary root a process makes first removes the *stale* ones: empty roots whose
+  owner pid is gone.
   Empty roots never accumulate; a root that holds anything is never touched.
 """
 
@@ -26,9 +27,17 @@ logger = logging.getLogger("aioelastic")
 _TEMPORARY_ROOT = re.compile(r"aioelastic_.*_p(\d+)_[^_]+")
 
 
+_swept = False
+
+
 def make_temporary(label: str) -> Path:
     """A fresh temporary log root for this process (stale empty ones are removed first)."""
-    remove_stale()
+    global _swept
+    if not _swept:
+        # Once per process: kept roots (they hold logs) stay in the temporary directory,
+        # and looking into every one of them at every start would grow without bound.
+        _swept = True
+        remove_stale()
     return Path(tempfile.mkdtemp(prefix=f"aioelastic_{label}_p{os.getpid()}_"))
 
 

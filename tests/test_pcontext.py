@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 import aioelastic
+from aioelastic import _log_root as log_root
 from aioelastic import _platform
 from aioelastic._forkserver import fork_server
 from tests.children import core
@@ -423,6 +424,8 @@ async def test_stale_empty_temporary_log_roots_of_dead_supervisors_are_removed(
     import tempfile
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    # The sweep runs once per process, at its first temporary root: be that first one.
+    monkeypatch.setattr(log_root, "_swept", False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"aioelastic_train_p{dead.pid}_k2j4"
