@@ -279,7 +279,9 @@ async def test_dump_stacks_of_a_script_worker_and_of_an_exited_one(tmp_path: Pat
             await ready.lines(1)
             # Rank 1 exits at once; a finished worker is not running, so not asked.
             with anyio.fail_after(30):
-                await ctx._workers[1].exited.wait()
+                # The context keeps its workers in the order they started, not by rank.
+                rank1 = next(w for w in ctx._workers if w.local_rank == 1)
+                await rank1.exited.wait()
             stacks = await ctx.dump_stacks(timeout=10)
             assert list(stacks) == [0]
             assert "in stuck_in_sleep" in stacks[0]
