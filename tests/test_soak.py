@@ -1248,7 +1248,7 @@ async def test_a_failure_while_siblings_start_stops_them_too(
             if not in_time:
                 # The bug: rank 1 was never signalled and the block waits for its exit.
                 # Stop the missed workers with the core's own teardown to end the test.
-                left = [w for w in ctx._workers.values() if not w.reaped]
+                left = [w for w in ctx._workers if not w.reaped]
                 await stop_workers(left, signal.SIGKILL, 0, anyio.Event())
     finally:
         fifo.close()
