@@ -53,6 +53,7 @@ from aioelastic._events import (  # noqa: E402
 )
 from aioelastic._signals import SignalReceived  # noqa: E402
 from tests.children import agent as children  # noqa: E402
+from tests.waits import wait_gone  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -869,7 +870,7 @@ async def test_a_sigkilled_agent_takes_its_workers_and_the_survivor_shrinks(
         victim.process.send_signal(signal.SIGKILL)
         await victim.process.wait()
         for pid in victim_workers:
-            await _wait_gone(pid)
+            await wait_gone(pid)
         await survivor.event("rendezvous_completed", world_size=2)
     assert survivor.process.returncode == 0, "\n".join(survivor.output[-40:])
     assert victim.process.returncode == -signal.SIGKILL
@@ -879,19 +880,6 @@ async def test_a_sigkilled_agent_takes_its_workers_and_the_survivor_shrinks(
     results = seen_files(out_dir, "result-2")
     assert sorted(rank for _, rank in results) == [0, 1]
     assert all(r["sum"] == 1.0 for r in results.values())
-
-
-async def _wait_gone(pid: int, timeout: float = 30) -> None:
-    """Wait, event-driven, until process ``pid`` (not our child) has exited."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        with anyio.fail_after(timeout):
-            await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.asyncio

@@ -18,7 +18,7 @@ import pytest
 import aioelastic
 from aioelastic._forkserver import ForkServerError, fork_server
 from tests.children import core
-from tests.waits import ReadyFifo, is_running, process_state
+from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -29,19 +29,6 @@ def envs(n: int) -> dict[int, dict[str, str]]:
 
 def _stop(preload: tuple[str, ...]) -> None:
     fork_server(preload).stop()
-
-
-async def _wait_gone(pid: int, timeout: float = 10) -> None:
-    """Wait (on a pidfd) until ``pid`` has exited; it may stay a zombie."""
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return
-    try:
-        with anyio.fail_after(timeout):
-            await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.asyncio
@@ -61,7 +48,7 @@ async def test_a_killed_server_is_replaced_on_the_next_start() -> None:
         dead = fork_server(preload).pid
         assert dead is not None
         os.kill(dead, signal.SIGKILL)
-        await _wait_gone(dead)
+        await wait_gone(dead)
         start = time.monotonic()
         second = await aioelastic.run_processes(
             "again",

@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -21,30 +19,12 @@ import aioelastic
 from aioelastic._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
 from aioelastic._stacks import StackChannel, StackChannels, _still_dumping
 from tests.children import hangs
-from tests.waits import ReadyFifo, is_running
+from tests.waits import ReadyFifo, is_running, started_in_own_session
 
 pytestmark = pytest.mark.timeout(60)
 
 HANGS = str(Path(__file__).parent / "children" / "hangs.py")
 FIDELITY = str(Path(__file__).parent / "children" / "main_fidelity.py")
-
-
-@asynccontextmanager
-async def started(argv: list[str], env: dict[str, str]) -> AsyncIterator[anyio.abc.Process]:
-    """A process in its own session, killed (group and all) and reaped on the way out."""
-    proc = await anyio.open_process(
-        argv, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE
-    )
-    try:
-        yield proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        with anyio.CancelScope(shield=True):
-            await proc.wait()
-            await proc.aclose()
 
 
 @pytest.mark.parametrize(
@@ -65,7 +45,7 @@ async def test_script_we_did_not_write_gives_every_thread_stack(
     channel.open()
     try:
         argv = script_argv(sys.executable, HANGS, [str(ready.path), how])
-        async with started(argv, channel.env()) as proc:
+        async with started_in_own_session(argv, channel.env()) as proc:
             await ready.lines(1)
             begin = time.monotonic()
             text = await channel.capture(proc.pid, timeout=30)
@@ -97,7 +77,7 @@ async def test_process_without_the_hook_is_unharmed_and_capture_is_bounded(
     channel.open()
     try:
         argv = ["sh", "-c", f'echo ready > "{ready.path}"; exec sleep 3600']
-        async with started(argv, channel.env()) as proc:
+        async with started_in_own_session(argv, channel.env()) as proc:
             await ready.lines(1)
             begin = time.monotonic()
             assert await channel.capture(proc.pid, timeout=0.5) is None
@@ -113,7 +93,7 @@ async def test_exited_process_gives_none_at_once(tmp_path: Path) -> None:
     channel = StackChannel(tmp_path / "stacks.fifo")
     channel.open()
     try:
-        async with started(["true"], channel.env()) as proc:
+        async with started_in_own_session(["true"], channel.env()) as proc:
             await proc.wait()
         begin = time.monotonic()
         assert await channel.capture(proc.pid, timeout=30) is None
@@ -129,15 +109,15 @@ async def test_many_workers_at_once_and_the_silent_one_says_why(tmp_path: Path) 
     channels.open()
     try:
         async with (
-            started(
+            started_in_own_session(
                 script_argv(sys.executable, HANGS, [str(ready.path), "sleep"]),
                 channels.channels[0].env(),
             ) as p0,
-            started(
+            started_in_own_session(
                 script_argv(sys.executable, HANGS, [str(ready.path), "event"]),
                 channels.channels[1].env(),
             ) as p1,
-            started(
+            started_in_own_session(
                 ["sh", "-c", f'echo ready > "{ready.path}"; exec sleep 3600'],
                 channels.channels[2].env(),
             ) as p2,

@@ -23,7 +23,7 @@ import aioelastic.timer
 from aioelastic._stack_hook import script_argv
 from aioelastic._timer_server import Expiry, TimerServer
 from tests.children import hangs
-from tests.waits import ReadyFifo
+from tests.waits import ReadyFifo, started_in_own_session
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -53,23 +53,6 @@ async def serving(
         server.close()
 
 
-@asynccontextmanager
-async def script(argv: list[str], env: dict[str, str]) -> AsyncIterator[anyio.abc.Process]:
-    proc = await anyio.open_process(
-        argv, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE
-    )
-    try:
-        yield proc
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        with anyio.CancelScope(shield=True):
-            await proc.wait()
-            await proc.aclose()
-
-
 @pytest.mark.asyncio
 @pytest.mark.parametrize("client", ["torch", "ours"])
 async def test_stuck_worker_expires_within_its_timer_plus_2s(tmp_path: Path, client: str) -> None:
@@ -79,7 +62,7 @@ async def test_stuck_worker_expires_within_its_timer_plus_2s(tmp_path: Path, cli
     try:
         async with serving(fifo, owners) as (server, expiries, got):
             argv = [sys.executable, HANGS, str(ready.path), "event", client, "1.0"]
-            async with script(argv, {"TORCHELASTIC_TIMER_FILE": str(fifo)}) as proc:
+            async with started_in_own_session(argv, {"TORCHELASTIC_TIMER_FILE": str(fifo)}) as proc:
                 owners[proc.pid] = 3
                 # The timer is armed before "ready" (the client writes first), but the
                 # owner map must know the pid before the server reads the request.
@@ -118,7 +101,7 @@ async def test_released_timer_never_fires_for_a_busy_worker(tmp_path: Path, clie
     try:
         async with serving(fifo, owners) as (server, expiries, _got):
             argv = [sys.executable, "-c", code, root, str(ready.path), client]
-            async with script(argv, {"TORCHELASTIC_TIMER_FILE": str(fifo)}) as proc:
+            async with started_in_own_session(argv, {"TORCHELASTIC_TIMER_FILE": str(fifo)}) as proc:
                 owners[proc.pid] = 0
                 await ready.lines(1, timeout=60)
                 with anyio.fail_after(30):

@@ -8,9 +8,14 @@ readability with a timeout — never a sleep.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
+import anyio.abc
 
 
 class ReadyFifo:
@@ -55,3 +60,36 @@ def process_state(pid: int) -> str | None:
 def is_running(pid: int) -> bool:
     """Whether ``pid`` exists and is not a zombie."""
     return process_state(pid) not in (None, "Z", "X")
+
+
+async def wait_gone(pid: int, timeout: float = 30) -> None:
+    """Wait, event-driven (a pidfd), until ``pid`` has exited; it may stay a zombie."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with anyio.fail_after(timeout):
+            await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+@asynccontextmanager
+async def started_in_own_session(
+    argv: list[str], env: dict[str, str]
+) -> AsyncIterator[anyio.abc.Process]:
+    """A process in its own session, killed (group and all) and reaped on the way out."""
+    proc = await anyio.open_process(
+        argv, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE
+    )
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        with anyio.CancelScope(shield=True):
+            await proc.wait()
+            await proc.aclose()
