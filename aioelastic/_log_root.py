@@ -75,9 +75,8 @@ def remove_stale() -> None:
 def holds_files(root: Path) -> bool:
     """Whether anything but directories is under ``root``.
 
-    Never follows a symbolic link: a worker may leave one to ``/`` (or a loop) in its
-    directory, and ``Path.rglob`` before Python 3.13 would walk the whole filesystem
-    through it. A link is content to keep, like a file.
+    Never follows a symbolic link (a worker may leave one to ``/``); a link is content
+    to keep, like a file. Stops at the first one found.
     """
     for dirpath, dirnames, filenames in os.walk(root):
         if filenames or any(os.path.islink(os.path.join(dirpath, d)) for d in dirnames):

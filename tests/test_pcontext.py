@@ -440,3 +440,28 @@ async def test_stale_empty_temporary_log_roots_of_dead_supervisors_are_removed(
     assert result.return_values == {0: 3}
     # Its own root stayed empty and went at close; the dead owner's empty one went at start.
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([kept_logs.name, alive.name])
+
+
+async def test_stale_roots_are_swept_once_per_process_not_at_every_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import subprocess
+    import tempfile
+
+    # Kept roots (they hold logs) stay in the temporary directory for good: a sweep at
+    # every start would look into all of them again each time, without bound (a test
+    # run that left thousands made a 1,000-start test time out).
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(log_root, "_swept", False)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    first = tmp_path / f"aioelastic_train_p{dead.pid}_aa01"
+    (first / "0").mkdir(parents=True)
+    with anyio.fail_after(60):
+        await aioelastic.run_processes("one", core.add, {0: (1, 2)}, envs(1))
+    assert not first.exists()  # swept by this process's first temporary root
+    later = tmp_path / f"aioelastic_train_p{dead.pid}_bb02"
+    (later / "0").mkdir(parents=True)
+    with anyio.fail_after(60):
+        await aioelastic.run_processes("two", core.add, {0: (1, 2)}, envs(1))
+    assert [p.name for p in tmp_path.iterdir()] == [later.name]  # left for the next process
