@@ -106,6 +106,7 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
             )
             for metric in measure.metrics:
                 for row in group.rows:
+                    lead = metric.name == (row.metric or measure.metrics[0].name)
                     for n in ns:
                         ours = summarise(index.get((measure.name, group.name, row.ours, n)), metric)
                         theirs = (
@@ -135,10 +136,8 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                                 "theirs": asdict(theirs) if theirs else None,
                                 "ratio": value if metric.ratio else None,
                                 "ratio_is_lower_bound": bound if metric.ratio else False,
-                                "headline": row.headline_n == n and metric == measure.metrics[0],
-                                "quick_min_ratio": (
-                                    row.quick_min_ratio if metric == measure.metrics[0] else None
-                                ),
+                                "headline": row.headline_n == n and lead,
+                                "quick_min_ratio": row.quick_min_ratio if lead else None,
                             }
                         )
     return rows

@@ -87,11 +87,14 @@ class Row:
         ours: label of the aioelastic (or floor) system.
         theirs: label of the torch (or floor) system, ``None`` for floor rows.
         quick_min_ratio: the headline check of ``--quick``: the run fails when the ratio
-            of the first metric (>1: aioelastic better) falls below this at any N. It is
-            the row's claim divided by a noise margin for a 2-core shared CI machine
-            (see docs/benchmarks.md); ``None``: not checked.
+            of the row's headline metric (``metric``; >1: aioelastic better) falls below
+            this at any N. It is the row's claim divided by a noise margin for a 2-core
+            shared CI machine (see docs/benchmarks.md); ``None``: not checked.
         headline_n: the N at which this row goes into the README's generated table
             (``None``: only in docs/benchmarks.md's full table).
+        metric: name of the metric that ``headline_n`` and ``quick_min_ratio`` refer to
+            (``None``: the measure's first); for a group whose workload yields only a
+            later metric of its measure.
     """
 
     case: str
@@ -99,6 +102,7 @@ class Row:
     theirs: str | None = None
     quick_min_ratio: float | None = None
     headline_n: int | None = None
+    metric: str | None = None
 
 
 @dataclass(frozen=True)

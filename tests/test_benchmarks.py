@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -282,3 +283,60 @@ def test_write_readme_refuses_a_file_without_markers(tmp_path: Path) -> None:
         ValueError, match=re.escape("markers <!-- x:start --> ... <!-- x:end --> not")
     ):
         replace_between_markers("no markers here", "x", "table")
+
+
+def test_a_row_can_carry_its_headline_and_claim_on_a_later_metric() -> None:
+    measure = Measure(
+        name="m",
+        letter="x",
+        title="t",
+        metrics=(SECONDS, Metric("other", "ms")),
+        groups=(
+            Group(
+                name="g",
+                systems=(System("ours", "aioelastic", "x:y"), System("theirs", "torch", "x:y")),
+                rows=(
+                    Row(
+                        "case", "ours", "theirs", quick_min_ratio=3.0, headline_n=4, metric="other"
+                    ),
+                ),
+                ns=(4,),
+            ),
+        ),
+    )
+    # A workload that yields only the later metric: no row for the first one.
+    results = [_series("ours", []), _series("theirs", [])]
+    results[0].samples = [{"other": 1.0}]
+    results[1].samples = [{"other": 2.0}]
+    (row,) = build_rows([measure], results)
+    assert (row["metric"], row["headline"], row["quick_min_ratio"]) == ("other", True, 3.0)
+    assert check_claims([row]) == ["m: case N=4 (ours vs theirs): ratio 2.00 < 3"]
+
+
+def test_every_row_names_systems_of_its_group_and_a_metric_of_its_measure() -> None:
+    from benchmarks.measures import all_measures
+
+    for measure in all_measures():
+        names = {m.name for m in measure.metrics}
+        for group in measure.groups:
+            labels = {s.label for s in group.systems}
+            for row in group.rows:
+                where = f"{measure.name}/{group.name}: {row.case}"
+                assert row.ours in labels, where
+                assert row.theirs is None or row.theirs in labels, where
+                assert row.metric is None or row.metric in names, where
+
+
+def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
+    from benchmarks._scale_mem import children, rss_kb, tree_kb
+
+    worker = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        assert worker.pid in children(os.getpid())
+        assert rss_kb(worker.pid) > 0
+        assert tree_kb(worker.pid, ()) == rss_kb(worker.pid)
+        assert tree_kb(worker.pid, {worker.pid}) == 0
+    finally:
+        worker.kill()
+        worker.wait(timeout=10)
+    assert rss_kb(worker.pid) == 0  # reaped: gone from /proc

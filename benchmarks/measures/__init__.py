@@ -1,4 +1,4 @@
-"""The measures of the suite, in the order they run and print (issue #7's a..h)."""
+"""The measures of the suite, in the order they run and print (issue #7's a..h, then i, j)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from benchmarks.measures import (
     idle,
     launcher,
     restart,
+    scale,
     startup,
     teardown,
     tee,
@@ -30,4 +31,5 @@ def all_measures() -> list[Measure]:
         idle.MEASURE,
         tee.MEASURE,
         launcher.MEASURE,
+        scale.MEASURE,
     ]

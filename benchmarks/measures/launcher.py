@@ -8,12 +8,19 @@ clock and exits, or :mod:`benchmarks._gloo` (import torch, gloo process group, b
 *seconds*: launch to the launcher's exit; *to user code*: launch to the last worker's stamp
 (for the real script: the last rank past the barrier). The floor for comparison is one
 ``python -S`` start per process (see ``floor``).
+
+The real script also runs under ``aioelastic-run --preload torch`` (a warm fork server
+that imported torch forks every rank), and once more with ``fail-once`` and
+``--max-restarts 1``: *restart* is then rank 0's failure stamp in attempt 0 to the last
+rank past the barrier in attempt 1. torch's side there is torchrun at its fastest
+restart, ``--monitor-interval 0.01`` (its default polls every 0.1 s).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -29,13 +36,14 @@ from benchmarks._spec import (
     Row,
     System,
 )
-from benchmarks._util import free_port, now_ns, read_stamps, seconds
+from benchmarks._util import free_port, now_ns, read_stamp, read_stamps, seconds
 
 SCRIPTS = {
     "trivial": Path(__file__).resolve().parent.parent / "_trivial.py",
     "gloo": Path(__file__).resolve().parent.parent / "_gloo.py",
 }
 TO_USER = Metric("to_user", "ms to user code", scale=1000.0)
+RESTART = Metric("restart", "ms failure to barrier", scale=1000.0)
 
 
 def _run(ctx: RepContext, module: str) -> dict[str, float]:
@@ -51,8 +59,10 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         "--nproc-per-node",
         str(ctx.n),
         *rendezvous,
+        *shlex.split(str(ctx.params.get("flags", ""))),
         str(SCRIPTS[str(ctx.params.get("script", "trivial"))]),
         str(ctx.workdir),
+        *(["fail-once"] if ctx.params.get("fail_once") else []),
     ]
     env = dict(os.environ)
     with open(output, "wb") as out:
@@ -65,6 +75,8 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         tail = "\n".join(output.read_text(errors="replace").splitlines()[-30:])
         raise RuntimeError(f"{module} exited with {code}:\n{tail}")
     started = max(read_stamps(ctx.workdir, "start", ctx.n))
+    if ctx.params.get("fail_once"):
+        return {"restart": seconds(started - read_stamp(ctx.workdir / "fail"))}
     return {"seconds": seconds(end - start), "to_user": seconds(started - start)}
 
 
@@ -99,21 +111,29 @@ def _group(name: str, case: str, params: Params) -> Group:
     )
 
 
-# N ranks that each import torch: ~1 s of wall time per rank on 2 cores, so 3 repetitions
-# and not in --quick.
+PRELOAD = "aioelastic-run --preload torch"
+TORCHRUN_FAST = "torchrun --monitor-interval 0.01"
+_REAL_CASE = "real script: import torch, gloo init, barrier, --standalone"
+
+# N ranks that each import torch: ~1 s of wall time per rank on 2 cores for torchrun and
+# plain aioelastic-run, so 3 repetitions and not in --quick. torchrun gets its fastest
+# poll here (it decides when the job is over, so it counts in *seconds*).
 _REAL = Group(
     name="gloo",
     systems=(
+        System(PRELOAD, "aioelastic", f"{_M}:aio_run", {"flags": "--preload torch"}, quick=False),
         System("aioelastic-run", "aioelastic", f"{_M}:aio_run", quick=False),
-        System("torchrun", "torch", f"{_M}:torchrun", quick=False),
+        System(
+            TORCHRUN_FAST,
+            "torch",
+            f"{_M}:torchrun",
+            {"flags": "--monitor-interval 0.01"},
+            quick=False,
+        ),
     ),
     rows=(
-        Row(
-            "real script: import torch, gloo init, barrier, --standalone",
-            "aioelastic-run",
-            "torchrun",
-            headline_n=8,
-        ),
+        Row(f"{_REAL_CASE}, ours --preload torch", PRELOAD, TORCHRUN_FAST, headline_n=8),
+        Row(_REAL_CASE, "aioelastic-run", TORCHRUN_FAST, headline_n=8),
     ),
     ns=(8,),
     quick_ns=(2,),
@@ -122,23 +142,64 @@ _REAL = Group(
     rep_timeout=150.0,
 )
 
+# The same script failing once: torchrun runs two attempts of N torch-importing ranks
+# (~2 s per rank on 2 cores), hence 3 repetitions and not in --quick.
+_RESTART = Group(
+    name="gloo restart",
+    systems=(
+        System(
+            PRELOAD,
+            "aioelastic",
+            f"{_M}:aio_run",
+            {"flags": "--preload torch --max-restarts 1"},
+            quick=False,
+        ),
+        System(
+            TORCHRUN_FAST,
+            "torch",
+            f"{_M}:torchrun",
+            {"flags": "--monitor-interval 0.01 --max-restarts 1"},
+            quick=False,
+        ),
+    ),
+    rows=(
+        Row(
+            "real script, rank 0 fails once past the barrier, ours --preload torch",
+            PRELOAD,
+            TORCHRUN_FAST,
+            headline_n=8,
+            metric="restart",
+        ),
+    ),
+    ns=(8,),
+    quick_ns=(2,),
+    default_reps=3,
+    params={"standalone": True, "script": "gloo", "fail_once": True},
+    rep_timeout=200.0,
+)
+
 
 MEASURE = Measure(
     name="launcher",
     letter="h",
     title="launcher overhead on a trivial script",
-    metrics=(SECONDS, TO_USER),
+    metrics=(SECONDS, TO_USER, RESTART),
     notes=(
         "`python -m aioelastic.run` vs `python -m torch.distributed.run` (torchrun), "
         "`--nproc-per-node N --standalone script.py` (the documented single-node form) and "
         "`--nproc-per-node N --master-port P script.py` (static rendezvous); the script stamps "
         "the clock and exits. Real script: every rank imports torch, calls "
         "`init_process_group('gloo')` and passes a barrier; *to user code* is then launch to "
-        "the last rank past the barrier."
+        "the last rank past the barrier. `--preload torch`: a warm fork server that imported "
+        "torch forks every rank. Restart: the same script with `--max-restarts 1`, rank 0 exits "
+        "1 past the barrier in attempt 0 while the others keep running; *failure to barrier* "
+        "is rank 0's stamp just before its exit to the last rank past the barrier in attempt 1. "
+        "torchrun there runs at `--monitor-interval 0.01` (default 0.1 s)."
     ),
     groups=(
         _group("standalone", "trivial script, --standalone", {"standalone": True}),
         _group("static", "trivial script, --master-port P", {"standalone": False}),
         _REAL,
+        _RESTART,
     ),
 )
