@@ -1,7 +1,8 @@
 """A fresh supervisor for one memory sample of the scale measure.
 
-``python -m benchmarks._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports its
-side, runs one warm-up group of one worker (so the watchdog, fork servers and first-use
+``python -m benchmarks._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports
+torch (as a training controller has, and so that both sides start from the same heap) and
+its side, runs one warm-up group of one worker (so the watchdog, fork servers and first-use
 allocations exist), reads the supervisor tree's memory, starts N workers that sleep, reads
 it again while they run, stops them and prints ``{"kb_per_worker": ..., "tree_kb": ...}``.
 
@@ -128,6 +129,9 @@ def _torch(n: int, directory: Path) -> dict[str, float]:
 def main() -> None:
     """See the module docstring."""
     side, n, directory = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    import torch
+
+    assert torch.__version__  # the import is the point: the supervisor's heap holds torch
     if side == "aioelastic":
         import anyio
 
