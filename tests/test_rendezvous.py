@@ -14,13 +14,8 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
-from aioelastic._rendezvous import (  # noqa: E402
-    LocalRendezvous,
-    Rendezvous,
-    RendezvousOutcome,
-    create_rdzv_handler,
-    standalone_handler,
-)
+from aioelastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
+from aioelastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
 from aioelastic._values import endpoint as parse_endpoint  # noqa: E402
 
 pytestmark = pytest.mark.torch
