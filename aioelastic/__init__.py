@@ -10,8 +10,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._agent import (
-        LocalElasticAgent,
+    from ._agent import LocalElasticAgent
+    from ._agent_types import (
         RestartBackoff,
         RunResult,
         Worker,
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from ._launch import MainProcessError, WorkerError, free_port, launch
     from ._output import OutputItem, OutputStream
     from ._pcontext import PContext, run_processes, start_processes
-    from ._rendezvous import create_rdzv_handler
+    from ._rdzv_handlers import create_rdzv_handler
     from ._results import RunProcsResult
     from ._signals import SignalReceived
     from ._spawn import (
@@ -54,12 +54,12 @@ if TYPE_CHECKING:
 # the CLI and anyio (over 100 ms of CPU per worker) to run one function.
 _EXPORTS = {
     "LocalElasticAgent": "._agent",
-    "RestartBackoff": "._agent",
-    "RunResult": "._agent",
-    "Worker": "._agent",
-    "WorkerGroup": "._agent",
-    "WorkerSpec": "._agent",
-    "WorkerState": "._agent",
+    "RestartBackoff": "._agent_types",
+    "RunResult": "._agent_types",
+    "Worker": "._agent_types",
+    "WorkerGroup": "._agent_types",
+    "WorkerSpec": "._agent_types",
+    "WorkerState": "._agent_types",
     "LaunchConfig": "._elastic_launch",
     "elastic_launch": "._elastic_launch",
     "launch_agent": "._elastic_launch",
@@ -86,7 +86,7 @@ _EXPORTS = {
     "PContext": "._pcontext",
     "run_processes": "._pcontext",
     "start_processes": "._pcontext",
-    "create_rdzv_handler": "._rendezvous",
+    "create_rdzv_handler": "._rdzv_handlers",
     "RunProcsResult": "._results",
     "SignalReceived": "._signals",
     "ProcessException": "._spawn",

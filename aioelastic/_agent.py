@@ -1,7 +1,7 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them.
 
 One agent runs per node. Each attempt goes: join a rendezvous round through torch's handler
-(`._rendezvous`), agree on worker ranks, start the local workers as one group through the
+(`._rdzv_node`), agree on worker ranks, start the local workers as one group through the
 core's `start_processes` (its own ``attempt_{n}`` log directory), then wait for whichever
 comes first:
 
@@ -11,7 +11,7 @@ comes first:
 * a node waiting to join (``num_nodes_waiting() > 0``): the group is stopped and everyone
   re-rendezvouses, without using a restart. This is the one thing checked periodically,
   every ``monitor_interval``, because torch's rendezvous state lives in a store that has
-  no notifications.
+  no notifications (`._agent_watch`).
 
 Stopping is always the core's teardown (``ctx.close()``); the agent never signals a
 worker itself.
@@ -23,29 +23,38 @@ backoff between restarts (`RestartBackoff`) and exit codes that are never retrie
 (``no_retry_exit_codes``); the exit barrier timeout is a constructor argument that
 `elastic_launch` exposes; signals are handled only for the run's duration and a second
 one skips the grace period; lifecycle events (`events`).
+
+The types the agent runs and reports (`WorkerSpec`, `WorkerGroup`, `RunResult`, ...) are
+in `._agent_types`; each worker's environment is built by `._agent_env`.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
-import math
 import os
-import random
 import signal
-import string
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from . import _log_root as log_root
-from . import _values as values
 from ._agent_env import worker_env
+from ._agent_types import (
+    DEFAULT_ROLE,
+    DEFAULT_SIGNALS_TO_HANDLE,
+    RestartBackoff,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+    substitute_local_rank,
+)
+from ._agent_watch import MembershipChange, watch_attempt
 from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ProcessFailure
@@ -67,20 +76,13 @@ from ._hangs import stack_requests
 from ._metrics import observed
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ._pcontext import PContext, start_processes
-from ._rendezvous import (
-    LocalRendezvous,
-    NodeRendezvous,
-    Rendezvous,
-)
+from ._rdzv_node import LocalRendezvous, NodeRendezvous, Rendezvous
 from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
 from ._std import Std
 
-if TYPE_CHECKING:
-    from torch.distributed.elastic.rendezvous import RendezvousHandler
-
-    from ._rendezvous import Store
-
+# The types are defined in `._agent_types` and stay importable from here: code and docs
+# written against torch's layout (and pickles) name them as ``aioelastic._agent.X``.
 __all__ = [
     "DEFAULT_ROLE",
     "DEFAULT_SIGNALS_TO_HANDLE",
@@ -94,271 +96,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aioelastic.agent")
-
-DEFAULT_ROLE = "default"
-
-DEFAULT_SIGNALS_TO_HANDLE = values.DEFAULT_SIGNALS_TO_HANDLE
-"""torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE`` / ``--signals-to-handle``."""
-
-_LOCAL_RANK_MACRO = "local_rank"
-
-
-@dataclass(frozen=True, kw_only=True)
-class RestartBackoff:
-    """Exponential backoff with jitter between failure restarts (torch restarts at once).
-
-    Before failure restart ``k`` (1, 2, ...) the agent waits
-    ``d * (1 - jitter) + uniform(0, d * jitter)`` seconds, where
-    ``d = min(maximum, initial * multiplier ** (k - 1))``. ``jitter=1`` is "full jitter"
-    (anywhere in ``[0, d]``), ``jitter=0`` waits exactly ``d``. Jitter keeps nodes that
-    failed together from hammering a shared resource (a store, a filesystem, a licence
-    server) in lockstep. Membership-change restarts never wait: peers are waiting.
-
-    Attributes:
-        initial: ``d`` for the first restart, seconds.
-        maximum: cap on ``d``, seconds.
-        multiplier: growth of ``d`` per restart (>= 1).
-        jitter: the randomised fraction of ``d``, in ``[0, 1]``.
-    """
-
-    initial: float = 1.0
-    maximum: float = 60.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-
-    def __post_init__(self) -> None:
-        for name in ("initial", "maximum", "multiplier", "jitter"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"RestartBackoff.{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"RestartBackoff.{name} must be finite and >= 0, got {value}")
-        if self.multiplier < 1:
-            raise ValueError(f"RestartBackoff.multiplier must be >= 1, got {self.multiplier}")
-        if self.jitter > 1:
-            raise ValueError(f"RestartBackoff.jitter must be in [0, 1], got {self.jitter}")
-        if self.maximum < self.initial:
-            raise ValueError(
-                f"RestartBackoff.maximum ({self.maximum}) must be >= initial ({self.initial})"
-            )
-
-    def delay(self, restart: int, rng: random.Random | None = None) -> float:
-        """Seconds to wait before failure restart number ``restart`` (1-based).
-
-        Args:
-            restart: which restart: 1 for the first.
-            rng: source of randomness (default: the ``random`` module).
-
-        Raises:
-            ValueError: ``restart`` is less than 1.
-        """
-        if restart < 1:
-            raise ValueError(f"restart counts from 1, got {restart}")
-        try:
-            base = min(self.maximum, self.initial * self.multiplier ** (restart - 1))
-        except OverflowError:
-            base = self.maximum
-        spread = base * self.jitter
-        return base - spread + (rng or random).uniform(0.0, spread)
-
-
-@dataclass(kw_only=True)
-class WorkerSpec:
-    """What to run on this node, and how to recover: torch's ``WorkerSpec`` plus extras.
-
-    Attributes:
-        role: the workers' role (``ROLE_NAME``; the log prefix ``[{role}{local_rank}]:``).
-        local_world_size: how many workers this node runs.
-        entrypoint: a picklable function (function workers) or a binary's path or name
-            (binary workers), as in `start_processes`.
-        args: the arguments, the same for every worker; in strings ``${local_rank}`` is
-            replaced by each worker's local rank (torch's macro).
-        max_restarts: how many times a failed group is restarted (failures only).
-        monitor_interval: how often to check the rendezvous for nodes waiting to join,
-            seconds. Worker exits are events and are acted on at once.
-        rdzv_handler: torch's ``RendezvousHandler``; ``None`` means one node:
-            torchrun's ``--standalone`` (``c10d`` on ``localhost:0``), or, when
-            ``master_port`` is given, ``static`` at ``master_addr:master_port``; with
-            ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` or without torch, a torch-free
-            `LocalRendezvous`.
-        master_addr: overrides the store address workers get (``MASTER_ADDR``).
-        master_port: overrides its port (``MASTER_PORT``).
-        local_addr: this node's address as peers see it (for the default handler).
-        virtual_local_rank: every worker gets ``LOCAL_RANK=0`` and
-            ``CUDA_VISIBLE_DEVICES`` naming its one device (torch's option).
-        restart_backoff: wait between failure restarts (see `RestartBackoff`); ``None``
-            restarts at once, as torch does.
-        no_retry_exit_codes: exit codes that fail the run at once, restarts left or not:
-            failures that will only repeat (a usage error, a missing file, a bad config;
-            pytorch#60910). Negative values name signals (``-9``: killed by SIGKILL).
-    """
-
-    role: str = DEFAULT_ROLE
-    local_world_size: int
-    entrypoint: Callable[..., Any] | str
-    args: tuple[Any, ...] = ()
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    rdzv_handler: RendezvousHandler | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    local_addr: str | None = None
-    virtual_local_rank: bool = False
-    restart_backoff: RestartBackoff | None = None
-    no_retry_exit_codes: Collection[int] = frozenset()
-
-    def __post_init__(self) -> None:
-        values.field("role", values.name, self.role)
-        values.field("local_world_size", values.positive_int, self.local_world_size)
-        if isinstance(self.entrypoint, str):
-            if not self.entrypoint:
-                raise ValueError("entrypoint is an empty str; give a binary's path or name")
-        elif not callable(self.entrypoint):
-            raise TypeError(
-                "entrypoint must be a function (function workers) or a str (a binary), "
-                f"got {self.entrypoint!r}"
-            )
-        args: object = self.args
-        if isinstance(args, list):
-            self.args = tuple(args)
-        elif not isinstance(args, tuple):
-            raise TypeError(f"args must be a tuple, got {type(args).__name__}: {args!r}")
-        values.field("max_restarts", values.non_negative_int, self.max_restarts)
-        values.field("monitor_interval", values.positive_duration, self.monitor_interval)
-        if self.master_port is not None:
-            # Port 0 is any free port, which is what None already asks for.
-            self.master_port = values.field("master_port", values.port, self.master_port) or None
-        if self.restart_backoff is not None and not isinstance(
-            self.restart_backoff, RestartBackoff
-        ):
-            raise TypeError(
-                f"restart_backoff must be a RestartBackoff or None, got {self.restart_backoff!r}"
-            )
-        self.no_retry_exit_codes = values.field(
-            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
-        )
-
-    def get_entrypoint_name(self) -> str:
-        """The binary's file name, or the function's qualified name."""
-        if isinstance(self.entrypoint, str):
-            return os.path.basename(self.entrypoint)
-        return str(getattr(self.entrypoint, "__qualname__", repr(self.entrypoint)))
-
-
-@dataclass
-class Worker:
-    """One local worker and its ranks (torch's ``Worker``).
-
-    Attributes:
-        local_rank: rank on this node.
-        global_rank: rank among all workers (``RANK``).
-        role_rank: rank among the workers of this role (``ROLE_RANK``).
-        world_size: number of workers in total (``WORLD_SIZE``).
-        role_world_size: number of workers of this role (``ROLE_WORLD_SIZE``).
-        id: the worker's pid while it runs, else None.
-    """
-
-    local_rank: int
-    global_rank: int = -1
-    role_rank: int = -1
-    world_size: int = -1
-    role_world_size: int = -1
-    id: int | None = None
-
-
-class WorkerState(str, enum.Enum):
-    """The state of a `WorkerGroup`; its workers change state as a unit (torch's states).
-
-    ``INIT`` before the first start; ``HEALTHY`` while running; ``STOPPED`` between a
-    stop and the next start (restart, membership change) and after a signal or a
-    cancellation; ``SUCCEEDED`` / ``FAILED`` at the end; ``UNKNOWN`` when the agent itself
-    failed (e.g. a rendezvous error). ``UNHEALTHY`` is never set by this agent.
-    """
-
-    UNKNOWN = "UNKNOWN"
-    INIT = "INIT"
-    HEALTHY = "HEALTHY"
-    UNHEALTHY = "UNHEALTHY"
-    STOPPED = "STOPPED"
-    SUCCEEDED = "SUCCEEDED"
-    FAILED = "FAILED"
-
-    def is_running(self) -> bool:
-        """Whether workers are running (``HEALTHY`` or ``UNHEALTHY``).
-
-        Callable as ``state.is_running()`` or, as in torch, ``WorkerState.is_running(state)``.
-        """
-        return self in (WorkerState.HEALTHY, WorkerState.UNHEALTHY)
-
-
-class WorkerGroup:
-    """This node's workers for one spec (torch's ``WorkerGroup``).
-
-    Attributes:
-        spec: the spec.
-        workers: one `Worker` per local rank.
-        store: the last rendezvous round's store (torch's), or None before one.
-        group_rank: this node's rank, or None before a rendezvous.
-        group_world_size: the number of nodes, or None before a rendezvous.
-        master_addr: the store address given to workers, or None before a rendezvous.
-        master_port: its port, or None.
-        state: the group's `WorkerState`.
-    """
-
-    __slots__ = (
-        "group_rank",
-        "group_world_size",
-        "master_addr",
-        "master_port",
-        "spec",
-        "state",
-        "store",
-        "workers",
-    )
-
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
-        self.workers = [Worker(local_rank=i) for i in range(spec.local_world_size)]
-        self.store: Store | None = None
-        self.group_rank: int | None = None
-        self.group_world_size: int | None = None
-        self.master_addr: str | None = None
-        self.master_port: int | None = None
-        self.state = WorkerState.INIT
-
-
-@dataclass
-class RunResult:
-    """How a run ended (torch's ``RunResult``); every dict is keyed by global rank.
-
-    Attributes:
-        state: ``SUCCEEDED`` or ``FAILED``.
-        return_values: each local function worker's return value on success (``None`` for
-            binaries).
-        failures: on failure, the workers of the last attempt that failed by themselves.
-    """
-
-    state: WorkerState
-    return_values: dict[int, Any] = field(default_factory=dict)
-    failures: dict[int, ProcessFailure] = field(default_factory=dict)
-
-    def is_failed(self) -> bool:
-        """Whether the run failed."""
-        return self.state == WorkerState.FAILED
-
-
-def _substitute_local_rank(args: tuple[Any, ...], local_rank: int) -> tuple[Any, ...]:
-    return tuple(
-        string.Template(a).safe_substitute({_LOCAL_RANK_MACRO: str(local_rank)})
-        if isinstance(a, str)
-        else a
-        for a in args
-    )
-
-
-@dataclass(frozen=True)
-class _MembershipChange:
-    nodes_waiting: int
 
 
 class LocalElasticAgent:
@@ -641,7 +378,7 @@ class LocalElasticAgent:
                 self._emit(RunSucceeded, global_ranks=tuple(sorted(values)))
                 return RunResult(WorkerState.SUCCEEDED, return_values=values)
             delay = 0.0
-            if isinstance(outcome, _MembershipChange):
+            if isinstance(outcome, MembershipChange):
                 reason = StopReason.MEMBERSHIP_CHANGE
             else:
                 reason = StopReason.WORKER_FAILED
@@ -714,7 +451,7 @@ class LocalElasticAgent:
         )
         return True
 
-    async def _run_attempt(self, rdzv: NodeRendezvous) -> RunProcsResult | _MembershipChange:
+    async def _run_attempt(self, rdzv: NodeRendezvous) -> RunProcsResult | MembershipChange:
         spec = self._spec
         group = self._group
         assert self._log_root is not None
@@ -733,7 +470,7 @@ class LocalElasticAgent:
             name=spec.role,
             entrypoint=spec.entrypoint,
             args={
-                w.local_rank: _substitute_local_rank(spec.args, w.local_rank) for w in group.workers
+                w.local_rank: substitute_local_rank(spec.args, w.local_rank) for w in group.workers
             },
             envs=envs,
             log_dir=self._log_root / f"attempt_{self._attempt}",
@@ -763,7 +500,7 @@ class LocalElasticAgent:
                     pids={group.workers[lr].global_rank: p for lr, p in ctx.pids().items()},
                 )
                 try:
-                    outcome = await self._watch(ctx, rdzv)
+                    outcome = await watch_attempt(ctx, rdzv, spec.monitor_interval)
                 except BaseException as e:
                     self._emit(GroupStopping, **self._interruption(e))
                     scope = self._signal_scope
@@ -772,7 +509,7 @@ class LocalElasticAgent:
                         # (Ctrl-C arrives as SIGINT, a checkpointing SIGUSR1 as SIGUSR1).
                         await ctx.close(death_sig=scope.first)
                     raise
-                if isinstance(outcome, _MembershipChange):
+                if isinstance(outcome, MembershipChange):
                     self._emit(
                         GroupStopping,
                         reason=StopReason.MEMBERSHIP_CHANGE,
@@ -785,57 +522,13 @@ class LocalElasticAgent:
                         self._emit_failure(lr, failure)
                     self._emit(GroupStopping, reason=StopReason.WORKER_FAILED)
                 await ctx.close()
-                if isinstance(outcome, _MembershipChange) or outcome.is_failed():
+                if isinstance(outcome, MembershipChange) or outcome.is_failed():
                     group.state = WorkerState.STOPPED
                 return outcome
         finally:
             self._ctx = None
             for worker in group.workers:
                 worker.id = None
-
-    async def _watch(
-        self, ctx: PContext, rdzv: NodeRendezvous
-    ) -> RunProcsResult | _MembershipChange:
-        """The group's outcome, or a membership change, whichever comes first."""
-        outcome: RunProcsResult | _MembershipChange | None = None
-        error: Exception | None = None
-
-        async with anyio.create_task_group() as tg:
-
-            async def workers_done() -> None:
-                nonlocal outcome, error
-                try:
-                    outcome = await ctx.wait()
-                except Exception as e:
-                    # Raised below as itself, not wrapped in the task group's ExceptionGroup.
-                    error = e
-                tg.cancel_scope.cancel()
-
-            async def nodes_waiting() -> None:
-                nonlocal outcome
-                while True:
-                    await anyio.sleep(self._spec.monitor_interval)
-                    try:
-                        waiting = await rdzv.num_nodes_waiting()
-                    except Exception as e:
-                        # The workers may well finish without the rendezvous store; a dead
-                        # store fails the next rendezvous loudly enough.
-                        logger.warning(
-                            "cannot check for waiting nodes: %s: %s", type(e).__name__, e
-                        )
-                        continue
-                    if waiting > 0 and outcome is None:
-                        outcome = _MembershipChange(waiting)
-                        tg.cancel_scope.cancel()
-                        return
-
-            tg.start_soon(workers_done)
-            if rdzv.membership_can_change:
-                tg.start_soon(nodes_waiting)
-        if error is not None:
-            raise error
-        assert outcome is not None
-        return outcome
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -31,8 +31,8 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 
 from aioelastic import _forkserver  # noqa: E402
-from aioelastic._agent import (  # noqa: E402
-    LocalElasticAgent,
+from aioelastic._agent import LocalElasticAgent  # noqa: E402
+from aioelastic._agent_types import (  # noqa: E402
     RestartBackoff,
     RunResult,
     WorkerSpec,

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._agent import Worker, WorkerGroup, WorkerSpec
 from aioelastic._agent_env import worker_env
+from aioelastic._agent_types import Worker, WorkerGroup, WorkerSpec
 from tests.children import agent as children
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,13 +16,8 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
-from aioelastic._rendezvous import (  # noqa: E402
-    LocalRendezvous,
-    Rendezvous,
-    RendezvousOutcome,
-    create_rdzv_handler,
-    standalone_handler,
-)
+from aioelastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
+from aioelastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
 from aioelastic._values import endpoint as parse_endpoint  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -195,6 +192,34 @@ async def test_a_cancelled_join_returns_at_once_and_later_calls_queue_behind_it(
     assert await rdzv.num_nodes_waiting() == 0
     assert time.monotonic() - started >= 3.0
     await rdzv.aclose()
+
+
+@pytest.mark.timeout(60)
+def test_an_abandoned_join_does_not_hold_the_interpreter_at_exit() -> None:
+    # Handler calls run on a daemon thread: on a non-daemon one (anyio's worker threads)
+    # the process would outlive its event loop until torch's join timeout ran out.
+    code = (
+        "import sys, anyio\n"
+        "from aioelastic._rdzv_handlers import create_rdzv_handler\n"
+        "from aioelastic._rdzv_node import Rendezvous\n"
+        "async def main() -> None:\n"
+        "    handler = await create_rdzv_handler(\n"
+        "        'c10d', sys.argv[1], 'lonely', 2, 2, local_addr='127.0.0.1', join_timeout=300\n"
+        "    )\n"
+        "    with anyio.move_on_after(0.5):\n"
+        "        await Rendezvous(handler).next_rendezvous('trainer', 1)\n"
+        "    print('abandoned', flush=True)\n"
+        "anyio.run(main)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, f"127.0.0.1:{free_port()}"],
+        capture_output=True,
+        text=True,
+        timeout=45,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["abandoned"]
 
 
 @pytest.mark.asyncio
