@@ -58,9 +58,9 @@ from ._agent_watch import MembershipChange, watch_attempt
 from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ProcessFailure
+from ._event_hub import EventHub
 from ._events import (
     AgentEvent,
-    EventHub,
     EventStream,
     FailureReason,
     GroupRestarting,

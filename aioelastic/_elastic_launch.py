@@ -35,7 +35,8 @@ from ._agent import (
 from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ChildFailedError
-from ._events import EventHub, EventStream
+from ._event_hub import EventHub
+from ._events import EventStream
 from ._rendezvous import Rendezvous, create_rdzv_handler
 from ._signals import SignalReceived
 from ._std import Std

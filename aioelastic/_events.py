@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import ClassVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
 from ._errors import ProcessFailure
 
@@ -268,39 +267,3 @@ class EventStream:
         tb: TracebackType | None,
     ) -> None:
         await self.aclose()
-
-
-class EventHub:
-    """Fans an agent's events out to its subscribers; logs each one."""
-
-    def __init__(self) -> None:
-        from ._narrate import Narrator  # it formats these events: imported once both exist
-
-        self._subscribers: list[MemoryObjectSendStream[AgentEvent]] = []
-        self._closed = False
-        self._narrate = Narrator()
-
-    def subscribe(self) -> EventStream:
-        send, receive = anyio.create_memory_object_stream[AgentEvent](math.inf)
-        if self._closed:
-            send.close()
-        else:
-            self._subscribers.append(send)
-        return EventStream(receive)
-
-    def emit(self, event: AgentEvent) -> None:
-        self._narrate(event)
-        for send in list(self._subscribers):
-            try:
-                send.send_nowait(event)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                # The subscriber went away; stop feeding it.
-                self._subscribers.remove(send)
-                send.close()
-
-    def close(self) -> None:
-        """End every subscriber's iteration (after what is buffered)."""
-        self._closed = True
-        for send in self._subscribers:
-            send.close()
-        self._subscribers.clear()
