@@ -16,7 +16,9 @@ Most state belongs to one run (a process context, an agent). A few things belong
 
 The watchdog (:mod:`aioelastic._watchdog`) is one object for the process's lifetime,
 imported by name where it is used, so it keeps its state itself and registers what its
-copy in a forked child must forget with :func:`forget_in_child`.
+copy in a forked child must forget with :func:`forget_in_child`. What
+:mod:`aioelastic._platform` caches (pidfd support, the resolved ``prctl``) describes the
+kernel and the C library, which a forked child shares, so it is not state of this kind.
 
 Fork: a process forked from a supervisor (a "fork" worker that supervises workers of its
 own) inherits all of this memory but none of the threads, and none of the ownership. The
