@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal
 
+from ._runtime import runtime
+
 #: Bytes that may wait for the console before log pumps stop reading their pipes. Read
 #: when a console is first used, so a program may lower it before starting workers.
 HIGH_WATER = 16 * 1024 * 1024
@@ -113,6 +115,10 @@ class ConsoleStream:
                 ready = [w for w in self._waiters if w[0]()]
                 for waiter in ready:
                     self._waiters.remove(waiter)
+            # Settled with call_soon_threadsafe, which returns at once. This one thread
+            # serves every event loop of the process; anyio.from_thread.run_sync would
+            # block it until the waiter's loop ran the call, and forever if that loop
+            # stopped running (asyncio.run ending) with the call still queued.
             for _, loop, future in ready:
                 try:
                     loop.call_soon_threadsafe(_resolve, future)
@@ -144,10 +150,6 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-_target_locks: dict[object, threading.Lock] = {}
-_target_locks_guard = threading.Lock()
-
-
 def _target_lock(stream: object) -> threading.Lock:
     """One lock per file or pipe written to: stdout and stderr share it under ``2>&1``.
 
@@ -160,36 +162,22 @@ def _target_lock(stream: object) -> threading.Lock:
         key = (st.st_dev, st.st_ino)
     except Exception:
         key = id(stream)  # no file descriptor (a StringIO...): lock the object itself
-    with _target_locks_guard:
-        lock = _target_locks.get(key)
+    with runtime.lock:
+        lock = runtime.console_locks.get(key)
         if lock is None:
-            lock = _target_locks[key] = threading.Lock()
+            lock = runtime.console_locks[key] = threading.Lock()
         return lock
 
 
-_consoles: dict[str, ConsoleStream] = {}
-_consoles_lock = threading.Lock()
-
-
 def console(name: StreamName) -> ConsoleStream:
-    """The process-wide writer for the supervisor's ``stdout`` or ``stderr``."""
-    with _consoles_lock:
-        stream = _consoles.get(name)
+    """The process-wide writer for the supervisor's ``stdout`` or ``stderr``.
+
+    A forked child (a worker started with "fork" that supervises workers of its own)
+    gets writers of its own: it inherits the parent's but not their threads, so what it
+    queued there would never be written (the runtime forgets them at the fork).
+    """
+    with runtime.lock:
+        stream = runtime.consoles.get(name)
         if stream is None:
-            stream = _consoles[name] = ConsoleStream(name)
+            stream = runtime.consoles[name] = ConsoleStream(name)
         return stream
-
-
-def _forget_after_fork() -> None:
-    # A forked child (a worker started with "fork" that supervises workers of its own)
-    # inherits the consoles but not their writer threads: what it queued would never be
-    # written, and flush() would wait forever. Locks may have been held by another thread
-    # at the fork, so they are made anew too.
-    global _consoles_lock, _target_locks_guard
-    _consoles.clear()
-    _consoles_lock = threading.Lock()
-    _target_locks.clear()
-    _target_locks_guard = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)

@@ -28,7 +28,8 @@ from typing import Protocol
 import anyio
 import anyio.to_thread
 
-from . import _platform, _subreaper
+from . import _platform
+from ._runtime import runtime
 
 _STATUS = struct.Struct("=i")
 
@@ -80,27 +81,16 @@ class PidfdWatch:
             pass
         os.close(self._pidfd)
         self._pidfd = None
-        _subreaper.own_children.discard(self.pid)
-
-
-# Waiter threads block until their process exits, and every worker gets one in fallback
-# mode: they must not queue behind anyio's default limit of 40 threads.
-_UNLIMITED_WAITERS: anyio.CapacityLimiter | None = None
+        runtime.own_children.discard(self.pid)
 
 
 def _waiter_limiter() -> anyio.CapacityLimiter:
-    global _UNLIMITED_WAITERS
-    if _UNLIMITED_WAITERS is None:
-        _UNLIMITED_WAITERS = anyio.CapacityLimiter(math.inf)
-    return _UNLIMITED_WAITERS
-
-
-def _forget_limiter_in_child() -> None:
-    global _UNLIMITED_WAITERS
-    _UNLIMITED_WAITERS = None
-
-
-os.register_at_fork(after_in_child=_forget_limiter_in_child)
+    # Waiter threads block until their process exits, and every worker gets one in
+    # fallback mode: they must not queue behind anyio's default limit of 40 threads.
+    limiter = runtime.exit_waiters
+    if limiter is None:
+        limiter = runtime.exit_waiters = anyio.CapacityLimiter(math.inf)
+    return limiter
 
 
 class ThreadWatch:
@@ -135,7 +125,7 @@ class ThreadWatch:
             os.waitpid(self.pid, os.WNOHANG)
         except ChildProcessError:
             pass
-        _subreaper.own_children.discard(self.pid)
+        runtime.own_children.discard(self.pid)
 
 
 class StatusPipeWatch:

@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.to_thread
 
-from . import _platform, _subreaper
+from . import _platform
 from ._exit_watch import StatusPipeWatch, encode_status
 from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
 from ._preload import UnforkablePreloadError, import_preload
+from ._runtime import forget_in_child, runtime
 
 logger = logging.getLogger("aioelastic.forkserver")
 
@@ -496,7 +497,7 @@ class ForkServer:
         """Stop the server: it sees end-of-file and exits (reaped at interpreter exit)."""
         popen = self._detach()
         if popen is not None:
-            _keep_alive.append(popen)
+            runtime.closed_fork_servers.append(popen)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the server and reap it, killed if it has not exited within ``timeout``."""
@@ -526,49 +527,46 @@ def _kill_and_reap(popen: subprocess.Popen[bytes]) -> None:
         except (ProcessLookupError, PermissionError):
             popen.kill()
         popen.wait()
-    _subreaper.own_children.discard(popen.pid)
-
-
-_servers: dict[tuple[str, ...], ForkServer] = {}
-_servers_lock = threading.Lock()
-_keep_alive: list[subprocess.Popen[bytes]] = []
+    runtime.own_children.discard(popen.pid)
 
 
 def fork_server(preload: tuple[str, ...]) -> ForkServer:
     """The shared fork server for this preload list (created, not started)."""
-    with _servers_lock:
-        server = _servers.get(preload)
+    with runtime.lock:
+        server = runtime.fork_servers.get(preload)
         if server is None:
-            server = _servers[preload] = ForkServer(preload)
+            server = runtime.fork_servers[preload] = ForkServer(preload)
         return server
 
 
 def running_server_pids() -> list[int]:
     """Pids of the fork servers this process keeps warm."""
-    return [s._pid for s in _servers.values() if s._pid is not None and s._sock is not None]
+    servers = runtime.fork_servers.values()
+    return [s._pid for s in servers if s._pid is not None and s._sock is not None]
 
 
 def open_server_fds() -> list[int]:
     """Fds this process holds for its warm fork servers."""
-    return [s._sock.fileno() for s in _servers.values() if s._sock is not None]
+    return [s._sock.fileno() for s in runtime.fork_servers.values() if s._sock is not None]
 
 
+@forget_in_child
 def _forget_servers_in_child() -> None:
-    # The sockets belong to the parent's conversations with its fork servers.
-    global _servers_lock
-    _servers.clear()
-    _keep_alive.clear()
-    _servers_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_servers_in_child)
+    # The sockets belong to the parent's conversations with its fork servers. Closed
+    # here, a server object the child still refers to finds no server and starts its
+    # own, instead of asking the parent's server to fork (and reap) for it. No lock:
+    # another thread may have held it at the fork.
+    for server in runtime.fork_servers.values():
+        sock, server._sock, server._popen, server._pid = server._sock, None, None, None
+        if sock is not None:
+            sock.close()
 
 
 @atexit.register
 def _shutdown_servers() -> None:
-    for server in list(_servers.values()):
+    for server in list(runtime.fork_servers.values()):
         server.close()
-    for popen in _keep_alive:
+    for popen in runtime.closed_fork_servers:
         try:
             popen.wait(timeout=5)
         except subprocess.TimeoutExpired:

@@ -7,6 +7,13 @@ thread that is later retired for being idle (anyio's pool retires threads after 
 would be killed for no reason. So launcher threads belong to a dedicated executor whose
 threads never retire: they end only when the interpreter ends, which is exactly when the
 workers should die.
+
+Why not ``anyio.to_thread.run_sync`` with a :class:`anyio.CapacityLimiter` of 8: the limit
+would bound the number of threads, but anyio's worker threads belong to one event loop.
+Besides retiring after 10 s idle, they are stopped when that loop's main task ends, so a
+host that calls ``asyncio.run`` twice would see the first run's forked workers die with
+the first loop. The executor lives on the process :mod:`~aioelastic._runtime` instead,
+shared by every loop, and a forked child that supervises workers builds its own.
 """
 
 from __future__ import annotations
@@ -17,7 +24,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,32 +35,22 @@ import anyio
 from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
+from ._runtime import runtime
 from ._watchdog import watchdog
 
 T = TypeVar("T")
 
 _LAUNCHER_THREADS = 8
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
 
 
 def _launcher_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
+    with runtime.lock:
+        if runtime.launcher_pool is None:
             _platform.load_prctl()
-            _pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="aioelastic-launch")
-        return _pool
-
-
-def _forget_pool_in_child() -> None:
-    # A forked child inherits the executor object but none of its threads: a worker
-    # that supervises workers of its own must build a fresh pool.
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_pool_in_child)
+            runtime.launcher_pool = ThreadPoolExecutor(
+                _LAUNCHER_THREADS, thread_name_prefix="aioelastic-launch"
+            )
+        return runtime.launcher_pool
 
 
 async def on_launcher_thread(fn: Callable[..., T], *args: object) -> T:
@@ -66,6 +62,8 @@ async def on_launcher_thread(fn: Callable[..., T], *args: object) -> T:
     """
     future = _launcher_pool().submit(fn, *args)
     with anyio.CancelScope(shield=True):
+        # anyio has no way to await a concurrent.futures.Future other than on a thread
+        # of its own: asyncio's bridge resolves it from the executor's callback.
         result: T = await asyncio.wrap_future(future)
     return result
 
@@ -100,12 +98,12 @@ def _watch_or_kill(pid: int) -> ExitWatch:
             os.waitpid(pid, 0)
         except ChildProcessError:
             pass
-        _subreaper.own_children.discard(pid)
+        runtime.own_children.discard(pid)
         raise
 
 
 def _register(popen: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-    _subreaper.own_children.add(popen.pid)
+    runtime.own_children.add(popen.pid)
     return popen
 
 
@@ -247,7 +245,7 @@ def start_fork(
     with _subreaper.creation_guard():
         pid = os.fork()
         if pid != 0:
-            _subreaper.own_children.add(pid)
+            runtime.own_children.add(pid)
     if pid == 0:
         try:
             forked_worker(

@@ -22,21 +22,19 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._runtime import runtime
+
 logger = logging.getLogger("aioelastic")
 
 _TEMPORARY_ROOT = re.compile(r"aioelastic_.*_p(\d+)_[^_]+")
 
 
-_swept = False
-
-
 def make_temporary(label: str) -> Path:
     """A fresh temporary log root for this process (stale empty ones are removed first)."""
-    global _swept
-    if not _swept:
+    if not runtime.stale_log_roots_swept:
         # Once per process: kept roots (they hold logs) stay in the temporary directory,
         # and looking into every one of them at every start would grow without bound.
-        _swept = True
+        runtime.stale_log_roots_swept = True
         remove_stale()
     return Path(tempfile.mkdtemp(prefix=f"aioelastic_{label}_p{os.getpid()}_"))
 

@@ -16,34 +16,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from contextlib import AbstractContextManager, nullcontext
 
 import anyio
 
 from . import _platform
-
-_enabled = False
-
-#: Pids of the processes aioelastic started itself and reaps itself.
-own_children: set[int] = set()
-#: Held while a process is created and registered, and while strays are listed, so a
-#: just-forked worker is never mistaken for a stray.
-own_children_lock = threading.Lock()
+from ._runtime import runtime
 
 STRAY_KILL_TIMEOUT = 5.0
-
-
-def _reset_in_child() -> None:
-    # PR_SET_CHILD_SUBREAPER is not inherited by fork(), and the parent's children are
-    # not the child's.
-    global _enabled, own_children_lock
-    _enabled = False
-    own_children.clear()
-    own_children_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def enable_subreaper() -> bool:
@@ -52,15 +32,16 @@ def enable_subreaper() -> bool:
     Irreversible for the process's lifetime. See the module documentation for when to
     use it.
     """
-    global _enabled
-    if not _enabled:
-        _enabled = _platform.set_child_subreaper()
-    return _enabled
+    # PR_SET_CHILD_SUBREAPER is not inherited by fork(): the runtime resets the flag in a
+    # forked child, which must set it again for its own descendants.
+    if not runtime.subreaper_enabled:
+        runtime.subreaper_enabled = _platform.set_child_subreaper()
+    return runtime.subreaper_enabled
 
 
 def subreaper_enabled() -> bool:
     """Whether :func:`enable_subreaper` succeeded in this process."""
-    return _enabled
+    return runtime.subreaper_enabled
 
 
 async def sweep_strays() -> list[int]:
@@ -68,13 +49,13 @@ async def sweep_strays() -> list[int]:
 
     Returns the pids swept. A no-op unless subreaper mode is enabled.
     """
-    if not _enabled:
+    if not runtime.subreaper_enabled:
         return []
-    with own_children_lock:
+    with runtime.own_children_lock:
         strays = {
             pid: state
             for pid, state in _platform.children_of(os.getpid()).items()
-            if pid not in own_children
+            if pid not in runtime.own_children
         }
     pidfds = []
     for pid, state in strays.items():
@@ -106,9 +87,9 @@ async def sweep_strays() -> list[int]:
 
 
 def creation_guard() -> AbstractContextManager[object]:
-    """Hold while creating a child and adding it to :data:`own_children`.
+    """Hold while creating a child and adding it to ``runtime.own_children``.
 
     Only needed (and only taken) in subreaper mode, where a sweep must never see a child
     that was forked but not yet registered.
     """
-    return own_children_lock if _enabled else nullcontext()
+    return runtime.own_children_lock if runtime.subreaper_enabled else nullcontext()

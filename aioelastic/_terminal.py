@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import anyio
 
 from ._frames import Live
+from ._runtime import runtime
 
 #: End-of-file typed at the start of a line (VEOF), as the worker's pty expects it.
 _EOF = b"\x04"
@@ -181,23 +182,19 @@ def _open(pty: bool, opened: list[int]) -> tuple[int, int, bool]:
     return master, slave, True
 
 
-_stdin_taken = False
-
-
 async def _forward_stdin(master: int) -> None:
     """Copy what is typed on our terminal into the worker's pty, line by line.
 
     One forwarder at a time (two single-worker groups side by side in one program): the
     later one leaves its worker's stdin without input rather than race for the lines.
     """
-    global _stdin_taken
-    if _stdin_taken:
+    if runtime.stdin_forwarded:
         return
-    _stdin_taken = True
+    runtime.stdin_forwarded = True
     try:
         await _forward_stdin_lines(master)
     finally:
-        _stdin_taken = False
+        runtime.stdin_forwarded = False
 
 
 async def _forward_stdin_lines(master: int) -> None:

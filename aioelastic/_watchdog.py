@@ -45,6 +45,7 @@ import anyio
 
 from . import _platform, _subreaper
 from ._exit_watch import StatusPipeWatch
+from ._runtime import forget_in_child, runtime
 
 _SCRIPT = str(Path(__file__).with_name("_watchdog_process.py"))
 _MAX_MSG = 1 << 16
@@ -144,14 +145,14 @@ class Watchdog:
                     close_fds=True,
                     **_platform.new_group_popen_kwargs(),
                 )
-                _subreaper.own_children.add(popen.pid)
+                runtime.own_children.add(popen.pid)
         finally:
             theirs.close()
         # Wait for its prctl: only then does it outlive us long enough to act.
         if ours.recv(_MAX_MSG) != b"K":
             ours.close()
             popen.wait()
-            _subreaper.own_children.discard(popen.pid)
+            runtime.own_children.discard(popen.pid)
             raise RuntimeError(f"the watchdog process exited at start ({popen.returncode})")
         self._popen, self._sock = popen, ours
         return ours
@@ -290,24 +291,24 @@ class Watchdog:
         except subprocess.TimeoutExpired:
             popen.send_signal(signal.SIGKILL)
             popen.wait()
-        _subreaper.own_children.discard(popen.pid)
+        runtime.own_children.discard(popen.pid)
+
+    def _forget_in_child(self) -> None:
+        # The parent's watchdog guards the parent's workers; a forked child that
+        # supervises workers of its own starts its own watchdog. Closing the inherited
+        # socket tells the watchdog nothing (the parent still holds it) but keeps it out
+        # of grandchildren. The locks are made anew: another thread may have held one
+        # at the fork.
+        self._popen = None
+        self._close()
+        self._lock = threading.Lock()
+        self._queue = []
+        self._queue_ready = threading.Condition()
+        self._sending = False
+        self._spawned = set()
 
 
+#: The watchdog of this process (started on first use).
 watchdog = Watchdog()
 atexit.register(watchdog.stop)
-
-
-def _forget_in_child() -> None:
-    # The parent's watchdog guards the parent's workers; a forked child that supervises
-    # workers of its own starts its own watchdog. Closing the inherited socket tells the
-    # watchdog nothing (the parent still holds it) but keeps it out of grandchildren.
-    watchdog._popen = None
-    watchdog._close()
-    watchdog._lock = threading.Lock()
-    watchdog._queue = []
-    watchdog._queue_ready = threading.Condition()
-    watchdog._sending = False
-    watchdog._spawned = set()
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+forget_in_child(watchdog._forget_in_child)

@@ -425,7 +425,7 @@ async def test_stale_empty_temporary_log_roots_of_dead_supervisors_are_removed(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     # The sweep runs once per process, at its first temporary root: be that first one.
-    monkeypatch.setattr(log_root, "_swept", False)
+    monkeypatch.setattr(log_root.runtime, "stale_log_roots_swept", False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     stale = tmp_path / f"aioelastic_train_p{dead.pid}_k2j4"
@@ -452,7 +452,7 @@ async def test_stale_roots_are_swept_once_per_process_not_at_every_start(
     # every start would look into all of them again each time, without bound (a test
     # run that left thousands made a 1,000-start test time out).
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(log_root, "_swept", False)
+    monkeypatch.setattr(log_root.runtime, "stale_log_roots_swept", False)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     first = tmp_path / f"aioelastic_train_p{dead.pid}_aa01"

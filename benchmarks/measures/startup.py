@@ -44,9 +44,10 @@ def _preload(ctx: RepContext, full: tuple[str, ...]) -> tuple[str, ...]:
 def _stop_our_fork_server(preload: tuple[str, ...]) -> None:
     # Cold: the next start pays for the server's interpreter and its imports again.
     from aioelastic import _forkserver
+    from aioelastic._runtime import runtime
 
     _forkserver.fork_server(preload).close()
-    _forkserver._servers.pop(preload, None)
+    runtime.fork_servers.pop(preload, None)
 
 
 def _stop_stdlib_fork_server() -> None:
