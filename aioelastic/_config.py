@@ -130,7 +130,9 @@ class AgentConfig:
                 lambda v: values.rank_filter(v, nprocs),
                 local_ranks_filter,
             ),
-            forkserver_preload=tuple(forkserver_preload),
+            forkserver_preload=values.field(
+                "forkserver_preload", values.module_names, tuple(forkserver_preload)
+            ),
             signals=values.field("signals_to_handle", values.signals, signal_text),
             exported_signals=signals_to_handle,
             run_id=run_id,

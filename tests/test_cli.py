@@ -372,7 +372,7 @@ def test_a_garbage_rdzv_endpoint_is_refused_before_torch_is_imported() -> None:
     assert "argument --rdzv-endpoint/--rdzv_endpoint: 'no such host!:29400' has no valid host" in (
         run.stderr
     )
-    assert re.search(r"\|\s+aioelastic\._cli_args$", run.stderr, re.MULTILINE)
+    assert re.search(r"\|\s+aioelastic\._cli_flags$", run.stderr, re.MULTILINE)
     imported = [line for line in run.stderr.splitlines() if re.search(r"\|\s+torch$", line)]
     assert imported == []
 
