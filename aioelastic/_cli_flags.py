@@ -113,7 +113,12 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N|auto|cpu|gpu|xpu",
     ),
     # -- rendezvous -------------------------------------------------------------------
-    Flag(_both("rdzv-backend"), str, "static", "Rendezvous backend (static, c10d, etcd, ...)."),
+    Flag(
+        _both("rdzv-backend"),
+        cli_type(values.rdzv_backend, "BACKEND"),
+        "static",
+        "Rendezvous backend (static, c10d, etcd, ...).",
+    ),
     Flag(
         _both("rdzv-endpoint"),
         cli_type(_endpoint_text, "HOST[:PORT]"),
@@ -259,7 +264,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("local-addr"),
-        str,
+        cli_type(values.host, "ADDR"),
         None,
         "This node's address as its peers should see it (default: its FQDN).",
         metavar="ADDR",
@@ -371,7 +376,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--metrics-host",),
-        str,
+        cli_type(values.host, "ADDRESS"),
         "127.0.0.1",
         "The address --metrics-port and TORCHELASTIC_HEALTH_CHECK_PORT bind.",
         ours=True,

@@ -247,6 +247,9 @@ class LaunchConfig:
             "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
         )
         values.field("role", values.name, self.role)
+        values.field("rdzv_backend", values.rdzv_backend, self.rdzv_backend)
+        if self.local_addr is not None:
+            values.field("local_addr", values.host, self.local_addr)
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
         self.no_retry_exit_codes = values.field(
@@ -255,10 +258,6 @@ class LaunchConfig:
         # The agent's settings and the store address, checked now rather than at launch,
         # and kept: the launch reads them as they are (see _derived).
         self._resolved = self._derive()
-        if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
-            raise ValueError(
-                f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
-            )
         if not self.rdzv_endpoint.strip() and self.rdzv_backend != "c10d":
             raise ValueError(f"rdzv_backend={self.rdzv_backend!r} needs rdzv_endpoint='host:port'")
         if not self.rdzv_endpoint.strip() and self.max_nodes > 1:

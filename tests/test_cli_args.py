@@ -12,12 +12,13 @@ import re
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from aioelastic import LaunchConfig
-from aioelastic._cli_flags import FLAGS
+from aioelastic._cli_flags import FLAGS, flag_for
 from aioelastic._cli_parser import build_parser, parse_args
 from aioelastic._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
 from aioelastic._std import Std
@@ -456,7 +457,7 @@ def test_tee_implies_files_as_in_torchrun() -> None:
         (["--redirects", "4"], "argument -r/--redirects: invalid Std value '4'"),
         (["--tee", "0:1", "--nproc-per-node", "1", "--redirects", "5:1"], "local rank 5"),
         (["--local-ranks-filter", "a"], "comma-separated"),
-        (["--local-ranks-filter", "3", "--nproc-per-node", "2"], "local rank 3"),
+        (["--nproc-per-node", "2", "--local-ranks-filter", "3"], "local rank 3"),
         (["--signals-to-handle", "SIGNOPE"], "'SIGNOPE' is not a signal"),
         (["--signals-to-handle", "SIGKILL"], "SIGKILL cannot be handled"),
         (["--no-retry-exit-codes", "0"], "0 is success"),
@@ -473,7 +474,11 @@ def test_tee_implies_files_as_in_torchrun() -> None:
 def test_bad_values_are_refused_with_the_flag_named(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert fragment in refusal(argv, capsys)
+    message = refusal(argv, capsys)
+    assert fragment in message
+    # The flag given last is the one at fault, and the message names it.
+    flag = flag_for([arg for arg in argv if arg.startswith("--")][-1][2:].replace("-", "_"))
+    assert "/".join(flag.names) in message
 
 
 def test_master_port_0_is_a_free_port_for_one_node() -> None:
@@ -529,3 +534,49 @@ def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
         values.duration("inf")
     with pytest.raises(TypeError, match="not a collection of exit codes"):
         values.exit_codes(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from aioelastic import _values as values
+    from aioelastic import elastic_launch
+    from aioelastic._config import AgentConfig
+
+    builds: list[dict[str, Any]] = []
+    shutdown_reads: list[object] = []
+    build, read = AgentConfig.build.__func__, values.shutdown_timeout  # type: ignore[attr-defined]
+
+    def counted_build(cls: type[AgentConfig], **kw: Any) -> AgentConfig:
+        builds.append(kw)
+        return build(cls, **kw)  # type: ignore[no-any-return]
+
+    def counted_read(value: object, environ: Mapping[str, str] | None = None) -> float:
+        shutdown_reads.append(value)
+        return read(value, environ)
+
+    monkeypatch.setattr(AgentConfig, "build", classmethod(counted_build))
+    monkeypatch.setattr(values, "shutdown_timeout", counted_read)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
+    c = config(["--nproc-per-node", "2"])
+    c.log_dir = tmp_path  # set per run by the launcher: applied, not parsed
+    assert asyncio.run(elastic_launch(c, "/bin/true")()) == {0: None, 1: None}
+    assert len(builds) == 1
+    assert shutdown_reads == [None]
+    assert c.shutdown_timeout == 4.0
+    assert (tmp_path / "attempt_0" / "0").is_dir()
+
+
+def test_a_changed_launch_config_is_checked_and_resolved_again() -> None:
+    c = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, tee={1: Std.OUT})
+    first = c._derived()
+    assert c._derived() is first
+    assert isinstance(c.tee, dict)
+    c.tee[5] = Std.OUT  # a change in place is seen too
+    with pytest.raises(ValueError, match=r"^tee: local rank 5 in .* local ranks are 0\.\.1$"):
+        c._derived()
+    c.tee = Std.ALL
+    assert c._derived().agent.tee == {0: Std.ALL, 1: Std.ALL}
+    c.rdzv_backend, c.rdzv_endpoint = "static", "h0:0"
+    assert c._derived().store == ("h0", None)
