@@ -272,9 +272,17 @@ class LaunchConfig:
         A LaunchConfig is a plain, mutable dataclass as torch's is: a field set after
         construction (``config.nproc_per_node = 2``) must still be honoured, and checked.
         """
-        if self._resolved.inputs != self._inputs():
-            self._resolved = self._derive()
-        return self._resolved
+        resolved: _Derived | None = self.__dict__.get("_resolved")
+        if resolved is None or resolved.inputs != self._inputs():
+            resolved = self._resolved = self._derive()
+        return resolved
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (or copied) without what it derived: that holds read-only mappings, which
+        # do not pickle, and is built again where it is needed.
+        state = dict(self.__dict__)
+        state.pop("_resolved", None)
+        return state
 
     def _inputs(self) -> tuple[Any, ...]:
         return tuple(_snapshot(getattr(self, name)) for name in _DERIVED_FROM)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import re
 import signal
 import sys
@@ -568,7 +569,7 @@ def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.Mon
     assert (tmp_path / "attempt_0" / "0").is_dir()
 
 
-def test_a_changed_launch_config_is_checked_and_resolved_again() -> None:
+def test_a_changed_config_is_checked_and_resolved_again() -> None:
     c = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, tee={1: Std.OUT})
     first = c._derived()
     assert c._derived() is first
@@ -580,3 +581,6 @@ def test_a_changed_launch_config_is_checked_and_resolved_again() -> None:
     assert c._derived().agent.tee == {0: Std.ALL, 1: Std.ALL}
     c.rdzv_backend, c.rdzv_endpoint = "static", "h0:0"
     assert c._derived().store == ("h0", None)
+    copy = pickle.loads(pickle.dumps(c))
+    assert copy == c
+    assert copy._derived().store == ("h0", None)
