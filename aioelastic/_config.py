@@ -109,8 +109,6 @@ class AgentConfig:
         signal_text = signals_to_handle
         if signal_text is None:
             signal_text = env.get(SIGNALS_ENV, values.DEFAULT_SIGNALS_TO_HANDLE)
-        if not isinstance(metrics_host, str) or not metrics_host:
-            raise ValueError(f"metrics_host must be a host name or address, got {metrics_host!r}")
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             log_dir=None if log_dir is None else Path(log_dir),
@@ -130,7 +128,9 @@ class AgentConfig:
                 lambda v: values.rank_filter(v, nprocs),
                 local_ranks_filter,
             ),
-            forkserver_preload=tuple(forkserver_preload),
+            forkserver_preload=values.field(
+                "forkserver_preload", values.module_names, tuple(forkserver_preload)
+            ),
             signals=values.field("signals_to_handle", values.signals, signal_text),
             exported_signals=signals_to_handle,
             run_id=run_id,
@@ -140,6 +140,6 @@ class AgentConfig:
             metrics_port=None
             if metrics_port is None
             else values.field("metrics_port", values.port, metrics_port),
-            metrics_host=metrics_host,
+            metrics_host=values.field("metrics_host", values.host, metrics_host),
             health_port=health_port_from_env(env),
         )

@@ -20,6 +20,7 @@ import sys
 import uuid
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -44,9 +45,79 @@ from ._std import Std
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-__all__ = ["LaunchConfig", "elastic_launch", "launch_agent"]
+__all__ = ["LaunchConfig", "elastic_launch", "launch_agent", "static_store"]
 
 _DEFAULT_RDZV_TIMEOUT = 900
+
+# The LaunchConfig fields the agent's settings and the store address are derived from
+# (log_dir is not: it is only wrapped in a Path, and the launcher sets it per run).
+_DERIVED_FROM = (
+    "nproc_per_node",
+    "max_nodes",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "start_method",
+    "redirects",
+    "tee",
+    "shutdown_timeout",
+    "exit_barrier_timeout",
+    "log_line_prefix_template",
+    "local_ranks_filter",
+    "forkserver_preload",
+    "signals_to_handle",
+    "stall_timeout",
+    "metrics_port",
+    "metrics_host",
+)
+
+
+def static_store(endpoint: str, max_nodes: int) -> tuple[str, int | None]:
+    """Where local rank 0 hosts the workers' store for the ``static`` rendezvous.
+
+    torchrun's rule, in the one place both `LaunchConfig` (and through it
+    ``aioelastic-run``) and `launch_agent` take it from: the endpoint is the store's
+    ``HOST:PORT``. A single node may leave the port out or give 0 for any free port, since
+    nobody else needs to know it; every node of a larger job must reach the same port.
+
+    Args:
+        endpoint: the ``rdzv_endpoint`` text, ``HOST[:PORT]``.
+        max_nodes: the most nodes of the job.
+
+    Returns:
+        ``(host, port)``; ``port`` is None for a free port (single node only).
+
+    Raises:
+        ValueError: not ``HOST[:PORT]``, or no fixed port for more than one node.
+    """
+    host, port = values.endpoint(endpoint)
+    if port:
+        return host, port
+    if max_nodes == 1:
+        return host, None
+    raise ValueError(
+        f"the static rendezvous of {max_nodes} nodes needs a fixed port every node can "
+        f"reach, got {endpoint.strip()!r}; give HOST:PORT"
+    )
+
+
+@dataclass(frozen=True)
+class _Derived:
+    """What a `LaunchConfig` resolves to, kept with the field values it came from."""
+
+    inputs: tuple[Any, ...]
+    agent: AgentConfig
+    store: tuple[str, int | None] | None
+
+
+def _snapshot(value: Any) -> Any:
+    """A copy of ``value`` that a later in-place change of the original does not alter."""
+    if isinstance(value, Mapping):
+        return tuple((key, _snapshot(item)) for key, item in value.items())
+    if isinstance(value, (set, frozenset)):
+        return frozenset(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
 
 
 @dataclass
@@ -138,6 +209,7 @@ class LaunchConfig:
     stall_timeout: float | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Each value through the parser the command line uses, so that a bad value reads
@@ -176,17 +248,17 @@ class LaunchConfig:
             "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
         )
         values.field("role", values.name, self.role)
+        values.field("rdzv_backend", values.rdzv_backend, self.rdzv_backend)
+        if self.local_addr is not None:
+            values.field("local_addr", values.host, self.local_addr)
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
-        values.field("rdzv_endpoint", values.endpoint, self.rdzv_endpoint)
         self.no_retry_exit_codes = values.field(
             "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
         )
-        self._agent_config()  # the agent's settings, checked now rather than at launch
-        if not isinstance(self.rdzv_backend, str) or not self.rdzv_backend:
-            raise ValueError(
-                f"rdzv_backend must be a name such as 'c10d', got {self.rdzv_backend!r}"
-            )
+        # The agent's settings and the store address, checked now rather than at launch,
+        # and kept: the launch reads them as they are (see _derived).
+        self._resolved = self._derive()
         if not self.rdzv_endpoint.strip() and self.rdzv_backend != "c10d":
             raise ValueError(f"rdzv_backend={self.rdzv_backend!r} needs rdzv_endpoint='host:port'")
         if not self.rdzv_endpoint.strip() and self.max_nodes > 1:
@@ -195,19 +267,48 @@ class LaunchConfig:
                 "node finds the rendezvous store"
             )
 
-    def _agent_config(self) -> AgentConfig:
-        """The agent's typed settings from this config, as the agent will read them.
+    def _derived(self) -> _Derived:
+        """The agent's settings and the store address; built again only after a change.
+
+        A LaunchConfig is a plain, mutable dataclass as torch's is: a field set after
+        construction (``config.nproc_per_node = 2``) must still be honoured, and checked.
+        """
+        resolved: _Derived | None = self.__dict__.get("_resolved")
+        if resolved is None or resolved.inputs != self._inputs():
+            resolved = self._resolved = self._derive()
+        return resolved
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Pickled (or copied) without what it derived: that holds read-only mappings, which
+        # do not pickle, and is built again where it is needed.
+        state = dict(self.__dict__)
+        state.pop("_resolved", None)
+        return state
+
+    def _inputs(self) -> tuple[Any, ...]:
+        return tuple(_snapshot(getattr(self, name)) for name in _DERIVED_FROM)
+
+    def _derive(self) -> _Derived:
+        """Parse what the agent reads, each value by its parser in `._values`.
 
         Raises:
             ValueError, TypeError: a bad value, with the field's name.
         """
-        return AgentConfig.build(
+        endpoint = self.rdzv_endpoint
+        store: tuple[str, int | None] | None = None
+        if self.rdzv_backend == "static" and endpoint.strip():
+            store = values.field(
+                "rdzv_endpoint", lambda text: static_store(text, self.max_nodes), endpoint
+            )
+        else:
+            values.field("rdzv_endpoint", values.endpoint, endpoint)
+        agent = AgentConfig.build(
             nprocs=self.nproc_per_node,
             start_method=self.start_method,
-            log_dir=self.log_dir,
             redirects=self.redirects,
             tee=self.tee,
-            shutdown_timeout=values.shutdown_timeout(self.shutdown_timeout),
+            # Resolved from TORCH_ELASTIC_SHUTDOWN_TIMEOUT once, in __post_init__.
+            shutdown_timeout=self.shutdown_timeout,  # type: ignore[arg-type]
             exit_barrier_timeout=self.exit_barrier_timeout,
             log_line_prefix_template=self.log_line_prefix_template,
             local_ranks_filter=self.local_ranks_filter,
@@ -217,6 +318,7 @@ class LaunchConfig:
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
         )
+        return _Derived(self._inputs(), agent, store)
 
 
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
@@ -280,22 +382,13 @@ async def launch_agent(
 ) -> dict[int, Any]:
     """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
     require_asyncio("elastic_launch")
+    derived = config._derived()
     endpoint = config.rdzv_endpoint.strip()
-    master_addr: str | None = None
-    master_port: int | None = None
+    master_addr, master_port = derived.store or (None, None)
     handler: RendezvousHandler | None = None
-    if not endpoint:
-        # torchrun's --standalone (LaunchConfig allows no endpoint for one node only): the
-        # agent makes that rendezvous itself, and without torch when it can.
-        run_id = config.run_id or str(uuid.uuid4())
-    else:
-        run_id = config.run_id or str(uuid.uuid4().int)
-        if config.rdzv_backend == "static":
-            master_addr, master_port = values.endpoint(endpoint)
-            if master_port is None:
-                raise ValueError(f"rdzv_endpoint={endpoint!r} has no port; use 'host:port'")
-            # Port 0 is any free port: only a single node can host its store there.
-            master_port = master_port or None
+    # torchrun's --standalone (LaunchConfig allows no endpoint for one node only): the
+    # agent makes that rendezvous itself, and without torch when it can.
+    run_id = config.run_id or str(uuid.uuid4() if not endpoint else uuid.uuid4().int)
     if endpoint and not (config.rdzv_backend == "static" and config.max_nodes == 1):
         # A single static node meets nobody: the agent's torch-free LocalRendezvous.
         handler = await create_rdzv_handler(
@@ -310,7 +403,7 @@ async def launch_agent(
     shutdown_rdzv = handler is not None
     try:
         result = await _run_agent(
-            config, entrypoint, args, handler, run_id, master_addr, master_port, _hub
+            config, derived.agent, entrypoint, args, handler, run_id, master_addr, master_port, _hub
         )
     except (SignalReceived, anyio.get_cancelled_exc_class()):
         # As torch: a node stopped from outside leaves the rendezvous open, so that the
@@ -335,6 +428,7 @@ async def launch_agent(
 
 async def _run_agent(
     config: LaunchConfig,
+    agent_config: AgentConfig,
     entrypoint: Callable[..., Any] | str,
     args: list[Any],
     handler: RendezvousHandler | None,
@@ -362,6 +456,10 @@ async def _run_agent(
         spec,
         _event_hub=hub,
         # Built once from the config; the agent reads it and parses nothing again.
-        _config=dataclasses.replace(config._agent_config(), run_id=run_id),
+        _config=dataclasses.replace(
+            agent_config,
+            run_id=run_id,
+            log_dir=None if config.log_dir is None else Path(config.log_dir),
+        ),
     )
     return await agent.run()

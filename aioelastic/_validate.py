@@ -195,10 +195,8 @@ def _check_preload(preload: Collection[str]) -> tuple[str, ...]:
             f"forkserver_preload must be a sequence of module names, got the str {preload!r}; "
             f"write ({preload!r},)"
         )
-    modules = tuple(preload)
+    modules = values.field("forkserver_preload", values.module_names, tuple(preload))
     for module in modules:
-        if not isinstance(module, str) or not module:
-            raise TypeError(f"forkserver_preload entries must be module names, got {module!r}")
         top = module.partition(".")[0]
         if importlib.util.find_spec(top) is None:
             raise ValueError(f"forkserver_preload module {module!r} is not installed")

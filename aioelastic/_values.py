@@ -35,6 +35,7 @@ __all__ = [
     "endpoint",
     "exit_codes",
     "field",
+    "host",
     "module_names",
     "name",
     "nnodes",
@@ -45,6 +46,7 @@ __all__ = [
     "positive_int",
     "prefix_template",
     "rank_filter",
+    "rdzv_backend",
     "rdzv_conf",
     "shutdown_timeout",
     "signals",
@@ -256,6 +258,27 @@ def endpoint(value: object, default_port: int | None = None) -> tuple[str, int |
             "address, or an IPv6 address in brackets ([::1]:29400)"
         )
     return host, result_port
+
+
+def host(value: object) -> str:
+    """A host name, an IPv4 or an IPv6 address (no brackets, no port): where to bind or be seen."""
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is a {type(value).__name__}, not a host name or address")
+    if not _HOST.fullmatch(value):
+        raise ValueError(
+            f"{value!r} is not a host name or address; give e.g. 127.0.0.1, node0 or ::1"
+        )
+    return value
+
+
+def rdzv_backend(value: object) -> str:
+    """A rendezvous backend's name as torch registers it (``static``, ``c10d``, ``etcd``...)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is a {type(value).__name__}, not a rendezvous backend name")
+    # Any name a plugin may register; only what can name no backend at all is refused.
+    if not value.isprintable() or not value or any(ch.isspace() for ch in value):
+        raise ValueError(f"{value!r} is not a rendezvous backend name; give e.g. c10d or static")
+    return value
 
 
 def rdzv_conf(value: object) -> dict[str, Any]:

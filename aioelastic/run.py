@@ -5,9 +5,9 @@ Usage, exactly as torchrun::
     aioelastic-run --nproc-per-node 4 train.py --epochs 3
     python -m aioelastic.run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint host:29400 train.py
 
-The command line (`._cli_args`) is torchrun's; the job is run by the elastic agent
-(`._agent`), so workers see torchrun's environment. What changes is what happens around
-the workers:
+The command line (`._cli_flags`, `._cli_parser`, `._cli_plan`) is torchrun's; the job is
+run by the elastic agent (`._agent`), so workers see torchrun's environment. What changes
+is what happens around the workers:
 
 * exit status: 0 on success; the root cause's own exit code when a worker fails (128+N if
   signal N killed it); 128+N when the launcher is stopped by signal N. torchrun exits 1.
@@ -29,20 +29,24 @@ import signal
 import sys
 import tempfile
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 
 from . import _log_root as log_root
-from ._cli_args import LaunchPlan, parse_args, plan_from_args, usage_error
+from ._cli_parser import parse_args, usage_error
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
 from ._narrate import LauncherFormatter
 from ._std import Std
 from ._subreaper import enable_subreaper
 
-__all__ = ["exit_code_for", "launch_config", "main", "run", "run_script_path"]
+if TYPE_CHECKING:
+    from ._cli_plan import CommandLine
+    from ._elastic_launch import LaunchConfig
+
+__all__ = ["exit_code_for", "main", "run", "run_script_path"]
 
 logger = logging.getLogger("aioelastic.run")
 
@@ -67,33 +71,35 @@ def run(argv: Sequence[str] | None = None) -> int:
     """
     args = parse_args(argv)
     try:
-        plan = plan_from_args(args)
+        # Imported once the flags parsed: --help and a bad flag need no agent.
+        from ._cli_plan import config_from_args
+
         # Built here, before anything runs: a value the launch API refuses is a usage
         # error of the command line too (exit 2), not a launcher failure.
-        config, entrypoint, script_args = launch_config(plan, None)
-        if plan.preload:
+        config, command = config_from_args(args)
+        if command.preload:
             # Checked now, as a usage error; the import itself runs during the rendezvous.
             from ._validate import _check_preload
 
             try:
-                _check_preload(plan.preload)
+                _check_preload(command.preload)
             except ValueError as e:
-                raise ValueError(f"--preload: {e}") from None
+                raise ValueError(f"argument --preload: {e}") from None
     except (ValueError, TypeError) as e:
         usage_error(str(e))
     _configure_logging()
-    if plan.preload and plan.nproc_per_node > 1:
+    if command.preload and config.nproc_per_node > 1:
         # What torchrun does in its own environment, and here before the fork server is
         # started with it: OpenMP reads OMP_NUM_THREADS once, when a preloaded torch loads
         # it, so the workers forked later could not lower it any more.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    for warning in plan.warnings:
+    for warning in command.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     # The launcher owns its supervision: a descendant of a worker that left the worker's
     # process group is re-parented to us instead of init, and swept at each teardown.
     enable_subreaper()
     try:
-        return anyio.run(_launch, plan, config, entrypoint, script_args)
+        return anyio.run(_launch, config, command)
     except KeyboardInterrupt:
         # Ctrl-C before the agent handled signals (e.g. while connecting to the store):
         # no worker runs yet, so there is nothing to stop.
@@ -135,20 +141,21 @@ def _configure_logging() -> None:
         root.setLevel(logging.WARNING)
 
 
-async def _launch(plan: LaunchPlan, config: Any, entrypoint: Any, args: tuple[str, ...]) -> int:
+async def _launch(config: LaunchConfig, command: CommandLine) -> int:
     from ._elastic_launch import elastic_launch
     from ._signals import SignalReceived
 
-    job_dir, temporary = _job_log_dir(plan)
+    job_dir, temporary = _job_log_dir(config, command)
+    entrypoint, args = command.target()
     try:
         try:
             config.log_dir = job_dir
             failure: Exception | None = None
             async with anyio.create_task_group() as warm_up:
-                if plan.preload:
+                if command.preload:
                     # The preload import (seconds for torch) overlaps the rendezvous; the
                     # first worker start then finds the server warm, or waits for it.
-                    warm_up.start_soon(_warm_up, plan.preload)
+                    warm_up.start_soon(_warm_up, command.preload)
                 try:
                     await elastic_launch(config, entrypoint)(*args)
                 except Exception as e:
@@ -184,84 +191,7 @@ async def _warm_up(preload: tuple[str, ...]) -> None:
         pass  # the first worker start reports it, as part of the launch
 
 
-def launch_config(plan: LaunchPlan, log_dir: str | None) -> tuple[Any, Any, tuple[str, ...]]:
-    """The `LaunchConfig`, entrypoint and arguments that run ``plan``.
-
-    Args:
-        plan: the checked command line.
-        log_dir: this run's log directory.
-
-    Returns:
-        ``(config, entrypoint, args)`` for ``elastic_launch(config, entrypoint)(*args)``.
-    """
-    from ._agent import RestartBackoff
-    from ._elastic_launch import LaunchConfig
-
-    rdzv_configs = dict(plan.rdzv_configs)
-    if plan.single_node and plan.master_port is None:
-        # No endpoint and one node: the launch API's standalone rendezvous.
-        backend, endpoint = "c10d", ""
-        rdzv_configs.pop("rank", None)
-    elif plan.single_node:
-        backend, endpoint = "static", f"{plan.master_addr}:{plan.master_port}"
-    else:
-        backend, endpoint = plan.rdzv_backend, plan.rdzv_endpoint
-    backoff = (
-        RestartBackoff(
-            initial=plan.restart_backoff,
-            maximum=max(plan.restart_backoff, plan.restart_backoff_max),
-        )
-        if plan.restart_backoff > 0
-        else None
-    )
-    config = LaunchConfig(
-        min_nodes=plan.min_nodes,
-        max_nodes=plan.max_nodes,
-        nproc_per_node=plan.nproc_per_node,
-        run_id=plan.run_id,
-        role=plan.role,
-        rdzv_endpoint=endpoint,
-        rdzv_backend=backend,
-        rdzv_configs=rdzv_configs,
-        max_restarts=plan.max_restarts,
-        monitor_interval=plan.monitor_interval,
-        # --preload: every worker is forked from the warm server and runs the script.
-        start_method="forkserver" if plan.preload else plan.start_method,
-        forkserver_preload=plan.preload,
-        log_line_prefix_template=plan.log_line_prefix_template,
-        local_addr=plan.local_addr,
-        signals_to_handle=plan.signals_to_handle_text,
-        virtual_local_rank=plan.virtual_local_rank,
-        shutdown_timeout=plan.shutdown_timeout,
-        log_dir=log_dir,
-        redirects=plan.redirects,
-        tee=plan.tee,
-        local_ranks_filter=plan.local_ranks_filter,
-        restart_backoff=backoff,
-        no_retry_exit_codes=plan.no_retry_exit_codes,
-        stall_timeout=plan.stall_timeout,
-        metrics_port=plan.metrics_port,
-        metrics_host=plan.metrics_host,
-    )
-    if plan.preload:
-        from . import _script
-
-        return config, _script.ScriptRun(plan.entrypoint, plan.module), plan.args
-    if plan.run_path:
-        # By its importable name: under ``python -m aioelastic.run`` this module is
-        # ``__main__``, which a spawned worker could not unpickle a function from.
-        from . import run as this_module
-
-        return config, this_module.run_script_path, (plan.entrypoint, *plan.args)
-    if plan.entrypoint == sys.executable and plan.args[:1] == ("-u",):
-        # Our own interpreter: run the script through the stack hook (docs/hangs.md), which
-        # registers the handler answering stack requests, then runs it as `python -u`
-        # would. Another interpreter (PYTHON_EXEC) may lack aioelastic: left as it is.
-        return config, plan.entrypoint, ("-u", "-m", "aioelastic._stack_hook", *plan.args[1:])
-    return config, plan.entrypoint, plan.args
-
-
-def _job_log_dir(plan: LaunchPlan) -> tuple[str, bool]:
+def _job_log_dir(config: LaunchConfig, command: CommandLine) -> tuple[str, bool]:
     """A fresh directory for this run's logs, and whether to delete it at the end.
 
     With ``--log-dir``, a ``<run_id>_<random>`` sub-directory as torchrun makes, so the same
@@ -269,22 +199,22 @@ def _job_log_dir(plan: LaunchPlan) -> tuple[str, bool]:
     run unless a stream was redirected into it (those logs are the user's) or a worker
     left an error file there (the failure report names it).
     """
-    if plan.log_dir is not None:
-        os.makedirs(plan.log_dir, exist_ok=True)
-        job_dir = tempfile.mkdtemp(prefix=f"{plan.run_id}_", dir=plan.log_dir)
+    if command.log_dir is not None:
+        os.makedirs(command.log_dir, exist_ok=True)
+        job_dir = tempfile.mkdtemp(prefix=f"{config.run_id}_", dir=command.log_dir)
         logger.info("logs of this run are in %s", job_dir)
         return job_dir, False
     job_dir = str(log_root.make_temporary("run"))
-    if _redirects_anything(plan):
+    if _redirects_anything(config.redirects):
         print(f"{PROG}: logs of this run are in {job_dir}", file=sys.stderr)
         return job_dir, False
     return job_dir, True
 
 
-def _redirects_anything(plan: LaunchPlan) -> bool:
-    if isinstance(plan.redirects, Std):
-        return bool(plan.redirects)
-    return any(plan.redirects.values())
+def _redirects_anything(redirects: Std | Mapping[int, Std]) -> bool:
+    if isinstance(redirects, Std):
+        return bool(redirects)
+    return any(redirects.values())
 
 
 def _report_launcher_error(error: Exception) -> None:

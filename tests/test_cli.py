@@ -248,6 +248,12 @@ def _spec(**kw: Any) -> None:
     WorkerSpec(**{"local_world_size": 1, "entrypoint": "/bin/true", **kw})
 
 
+def _agent(**kw: Any) -> None:
+    from aioelastic import LocalElasticAgent, WorkerSpec
+
+    LocalElasticAgent(WorkerSpec(local_world_size=1, entrypoint="/bin/true"), **kw)
+
+
 def _start(**kw: Any) -> None:
     import aioelastic
 
@@ -261,7 +267,9 @@ _C10D = ["--rdzv-backend", "c10d", "--nnodes", "2"]
 
 # (command line before the script, extra environment, the API calls given the same value,
 # the message both must show). The CLI adds "argument --flag:" (or names the flag itself),
-# the API the argument's name.
+# the API the argument's name. Every flag with an API twin has a row, with every API that
+# takes the value (LaunchConfig, WorkerSpec, LocalElasticAgent, start_processes); the
+# --restart-backoff flags are parsed as durations, but RestartBackoff words its own errors.
 BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]] = [
     (["--nproc-per-node", "0"], {}, [lambda: _config(nproc_per_node=0)], "0 is not >= 1"),
     (["--nnodes", "2:1"], {}, [lambda: _config(min_nodes=2, max_nodes=1)],
@@ -272,6 +280,7 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
     (["--monitor-interval", "0"], {}, [lambda: _config(monitor_interval=0),
                                        lambda: _spec(monitor_interval=0)], "0 is not > 0 seconds"),
     (["--shutdown-timeout", "-1"], {}, [lambda: _config(shutdown_timeout=-1),
+                                        lambda: _agent(shutdown_timeout=-1),
                                         lambda: _start(grace_period=-1)], "-1 is not >= 0 seconds"),
     (["--shutdown-timeout", "nan"], {}, [lambda: _config(shutdown_timeout=float("nan"))],
      "nan is not a finite number of seconds"),
@@ -282,24 +291,36 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
     (["--master-port", "x"], {}, [lambda: _spec(master_port="x")], "'x' is not a port number"),
     ([], {"PET_MASTER_PORT": "x"}, [lambda: _spec(master_port="x")],
      "'x' is not a port number 0..65535"),
-    ([], {"PET_SIGNALS_TO_HANDLE": "TERM"}, [lambda: _config(signals_to_handle="TERM")],
+    ([], {"PET_SIGNALS_TO_HANDLE": "TERM"}, [lambda: _config(signals_to_handle="TERM"),
+                                              lambda: _agent(signals_to_handle="TERM")],
      "'TERM' is not a signal name; write 'SIGTERM'"),
+    (["--rdzv-endpoint", "h:1", "--rdzv-backend", "a b"], {},
+     [lambda: _config(rdzv_backend="a b", rdzv_endpoint="h:1")],
+     "'a b' is not a rendezvous backend name"),
     ([*_C10D, "--rdzv-endpoint", "[::1"], {}, [lambda: _config(rdzv_endpoint="[::1")],
      "'[::1' has no valid host"),
     ([*_C10D, "--rdzv-endpoint", "h:99999"], {}, [lambda: _config(rdzv_endpoint="h:99999")],
      "'h:99999' has no valid port"),
     (["--rdzv-conf", "join_timeout"], {}, [lambda: _config(rdzv_configs="join_timeout")],
      "item 'join_timeout' is not KEY=VALUE"),
-    (["--signals-to-handle", "TERM"], {}, [lambda: _config(signals_to_handle="TERM")],
+    (["--signals-to-handle", "TERM"], {}, [lambda: _config(signals_to_handle="TERM"),
+                                           lambda: _agent(signals_to_handle="TERM")],
      "'TERM' is not a signal name; write 'SIGTERM'"),
     (["--signals-to-handle", "SIGTERM,SIGKILL"], {},
      [lambda: _config(signals_to_handle="SIGTERM,SIGKILL")], "SIGKILL cannot be handled"),
-    (["--local-ranks-filter", "a"], {}, [lambda: _config(local_ranks_filter="a")],
+    (["--local-ranks-filter", "a"], {}, [lambda: _config(local_ranks_filter="a"),
+                                         lambda: _agent(local_ranks_filter="a")],
      "'a' is not a comma-separated list of local ranks"),
     (["--nproc-per-node", "2", "--local-ranks-filter", "5"], {},
      [lambda: _config(nproc_per_node=2, local_ranks_filter={5}),
+      lambda: _agent(local_ranks_filter={5}),
       lambda: _start(local_ranks_filter={5})], "names local rank 5, but there are local ranks"),
-    (["--tee", "5:1"], {}, [lambda: _config(tee={5: Std.OUT})],
+    (["--tee", "5:1"], {}, [lambda: _config(tee={5: Std.OUT}), lambda: _agent(tee={5: Std.OUT}),
+                            lambda: _start(tee={5: Std.OUT})],
+     "local rank 5 in {5: <Std.OUT: 1>} is out of range: local ranks are 0..0"),
+    (["--redirects", "5:1"], {},
+     [lambda: _config(redirects={5: Std.OUT}), lambda: _agent(redirects={5: Std.OUT}),
+      lambda: _start(redirects={5: Std.OUT})],
      "local rank 5 in {5: <Std.OUT: 1>} is out of range: local ranks are 0..0"),
     (["--no-retry-exit-codes", "0"], {}, [lambda: _config(no_retry_exit_codes={0}),
                                           lambda: _spec(no_retry_exit_codes={0})],
@@ -308,6 +329,7 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
      "300 is not an exit code (1..255, or -N for signal N)"),
     (["--log-line-prefix-template", "${nope}"], {},
      [lambda: _config(log_line_prefix_template="${nope}"),
+      lambda: _agent(log_line_prefix_template="${nope}"),
       lambda: _start(log_line_prefix="${nope}")], "'${nope}' is not a valid template"),
     (["--role", "a\nb"], {}, [lambda: _config(role="a\nb"), lambda: _spec(role="a\nb"),
                               lambda: _start(name="a\nb")], "contains a NUL, a line break"),
@@ -315,12 +337,26 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
      "is 300 bytes long; a file name allows 255"),
     (["--role", "a/b"], {}, [lambda: _spec(role="a/b")], "must not contain a path separator"),
     (["--start-method", "thread"], {}, [lambda: _config(start_method="thread"),
+                                        lambda: _agent(start_method="thread"),
                                         lambda: _start(start_method="thread")],
      "'thread' is not one of 'spawn', 'fork', 'forkserver'"),
     (["--stall-timeout", "0"], {}, [lambda: _config(stall_timeout=0),
+                                    lambda: _agent(stall_timeout=0),
                                     lambda: _start(stall_timeout=0)], "0 is not > 0 seconds"),
-    (["--metrics-port", "70000"], {}, [lambda: _config(metrics_port=70000)],
+    (["--metrics-port", "70000"], {}, [lambda: _config(metrics_port=70000),
+                                       lambda: _agent(metrics_port=70000)],
      "70000 is not a port number 0..65535"),
+    (["--metrics-host", ""], {}, [lambda: _config(metrics_host=""),
+                                  lambda: _agent(metrics_host="")],
+     "'' is not a host name or address"),
+    (["--local-addr", "a b"], {}, [lambda: _config(local_addr="a b")],
+     "'a b' is not a host name or address"),
+    (["--preload", "json,3d"], {},
+     [lambda: _config(forkserver_preload=("json", "3d")),
+      lambda: _agent(forkserver_preload=("json", "3d")),
+      lambda: _start(forkserver_preload=("json", "3d"))], "'3d' is not a module name"),
+    ([], {"PET_PRELOAD": "a..b"}, [lambda: _config(forkserver_preload=("a..b",))],
+     "'a..b' is not a module name"),
 ]  # fmt: skip
 
 
@@ -372,7 +408,7 @@ def test_a_garbage_rdzv_endpoint_is_refused_before_torch_is_imported() -> None:
     assert "argument --rdzv-endpoint/--rdzv_endpoint: 'no such host!:29400' has no valid host" in (
         run.stderr
     )
-    assert re.search(r"\|\s+aioelastic\._cli_args$", run.stderr, re.MULTILINE)
+    assert re.search(r"\|\s+aioelastic\._cli_flags$", run.stderr, re.MULTILINE)
     imported = [line for line in run.stderr.splitlines() if re.search(r"\|\s+torch$", line)]
     assert imported == []
 

@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
+import re
 import signal
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from aioelastic._cli_args import (
-    FLAGS,
-    build_parser,
-    parse_args,
-    plan_from_args,
-    resolve_nproc_per_node,
-)
+from aioelastic import LaunchConfig
+from aioelastic._cli_flags import FLAGS, flag_for
+from aioelastic._cli_parser import build_parser, parse_args
+from aioelastic._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
 from aioelastic._std import Std
 
 # Flags of torch's parser that torchrun marks private or that only torch.distributed.launch
@@ -29,16 +29,26 @@ from aioelastic._std import Std
 _SCRIPT = ["train.py", "--lr", "0.1"]
 
 
-def plan(argv: list[str], environ: Mapping[str, str] | None = None, **kw: Any) -> Any:
+def launch(
+    argv: list[str], environ: Mapping[str, str] | None = None, **kw: Any
+) -> tuple[LaunchConfig, CommandLine]:
     env = {} if environ is None else dict(environ)
-    return plan_from_args(parse_args([*argv, *_SCRIPT], env), env, **kw)
+    return config_from_args(parse_args([*argv, *_SCRIPT], env), env, **kw)
+
+
+def config(argv: list[str], environ: Mapping[str, str] | None = None, **kw: Any) -> LaunchConfig:
+    return launch(argv, environ, **kw)[0]
+
+
+def command(argv: list[str], environ: Mapping[str, str] | None = None) -> CommandLine:
+    return launch(argv, environ)[1]
 
 
 def refusal(argv: list[str], capsys: pytest.CaptureFixture[str], **kw: Any) -> str:
-    """Why the command line is refused: argparse's error (exit 2) or the plan's ValueError."""
+    """Why the command line is refused: argparse's error (exit 2) or the launch's ValueError."""
     capsys.readouterr()
     try:
-        plan(argv, **kw)
+        launch(argv, **kw)
     except ValueError as e:
         return str(e)
     except SystemExit as e:
@@ -89,30 +99,33 @@ def test_every_torchrun_flag_has_the_same_spellings_and_default(
             assert list(mine.choices or ()) == list(action.choices), option
 
 
-def test_defaults_without_flags_or_environment() -> None:
-    p = plan([])
-    assert (p.min_nodes, p.max_nodes, p.nproc_per_node) == (1, 1, 1)
-    assert p.single_node
-    assert p.max_restarts == 0
-    assert p.monitor_interval == 0.1
-    assert p.start_method == "spawn"
-    assert p.role == "default"
-    assert p.log_dir is None
-    assert p.redirects == Std.NONE
-    assert p.tee == Std.NONE
-    assert p.local_ranks_filter is None
-    assert p.shutdown_timeout == 30.0
-    assert p.signals_to_handle == (
+def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    c, cmd = launch([])
+    assert (c.min_nodes, c.max_nodes, c.nproc_per_node) == (1, 1, 1)
+    assert (c.rdzv_backend, c.rdzv_endpoint) == ("c10d", "")  # single node, no store
+    assert c.max_restarts == 0
+    assert c.monitor_interval == 0.1
+    assert c.start_method == "spawn"
+    assert c.role == "default"
+    assert c.log_dir is None
+    assert cmd.log_dir is None
+    assert c.redirects == Std.NONE
+    assert c.tee == Std.NONE
+    assert c.local_ranks_filter is None
+    assert c.shutdown_timeout == 30.0
+    assert c.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert c._derived().agent.signals == (
         signal.SIGTERM,
         signal.SIGINT,
         signal.SIGHUP,
         signal.SIGQUIT,
     )
-    assert p.entrypoint == sys.executable
-    assert p.args == ("-u", "train.py", "--lr", "0.1")
-    assert p.restart_backoff == 0.0
-    assert p.no_retry_exit_codes == frozenset()
-    assert p.warnings == ()
+    assert cmd.entrypoint == sys.executable
+    assert cmd.args == ("-u", "train.py", "--lr", "0.1")
+    assert c.restart_backoff is None
+    assert c.no_retry_exit_codes == frozenset()
+    assert cmd.warnings == ()
 
 
 @pytest.mark.parametrize(
@@ -129,11 +142,14 @@ def test_defaults_without_flags_or_environment() -> None:
         (["-r", "3"], "redirects", Std.ALL),
         (["--redirects", "1"], "redirects", Std.OUT),
         (["--local_ranks_filter", "0"], "local_ranks_filter", frozenset({0})),
-        (["--signals_to_handle", "SIGUSR1,SIGTERM,SIGINT"], "signals_to_handle", (10, 15, 2)),
+        (["--signals_to_handle", "SIGUSR1,SIGTERM"], "signals_to_handle", "SIGUSR1,SIGTERM"),
     ],
 )
 def test_dashed_underscored_and_short_spellings(argv: list[str], dest: str, value: Any) -> None:
-    assert getattr(plan(argv), dest) == value
+    if dest == "log_dir":
+        assert command(argv).log_dir == value
+    else:
+        assert getattr(config(argv), dest) == value
 
 
 def test_pet_environment_sets_defaults_and_the_command_line_wins() -> None:
@@ -147,22 +163,23 @@ def test_pet_environment_sets_defaults_and_the_command_line_wins() -> None:
         "PET_NO_RETRY_EXIT_CODES": "2,3",
         "PET_TEE": "3",
     }
-    p = plan([], env)
-    assert p.nproc_per_node == 4
-    assert p.max_restarts == 5
-    assert p.start_method == "forkserver"
-    assert p.args[:3] == ("-u", "-m", "train.py")
-    assert p.restart_backoff == 0.5
-    assert p.no_retry_exit_codes == {2, 3}
-    assert p.tee == Std.ALL
-    p = plan(["--nproc-per-node", "2", "--max-restarts", "1"], env)
-    assert (p.nproc_per_node, p.max_restarts) == (2, 1)
+    c, cmd = launch([], env)
+    assert c.nproc_per_node == 4
+    assert c.max_restarts == 5
+    assert c.start_method == "forkserver"
+    assert cmd.args[:3] == ("-u", "-m", "train.py")
+    assert c.restart_backoff is not None
+    assert c.restart_backoff.initial == 0.5
+    assert c.no_retry_exit_codes == {2, 3}
+    assert c.tee == Std.ALL
+    c = config(["--nproc-per-node", "2", "--max-restarts", "1"], env)
+    assert (c.nproc_per_node, c.max_restarts) == (2, 1)
 
 
 def test_switch_from_environment_accepts_zero() -> None:
-    p = plan([], {"PET_MODULE": "0", "PET_STANDALONE": "false"})
-    assert "-m" not in p.args
-    assert p.warnings == ()
+    cmd = command([], {"PET_MODULE": "0", "PET_STANDALONE": "false"})
+    assert "-m" not in cmd.args
+    assert cmd.warnings == ()
 
 
 @pytest.mark.parametrize(
@@ -184,20 +201,23 @@ def test_bad_pet_value_names_the_variable(
 
 def test_torchrun_prefix_template_env_is_read(capsys: pytest.CaptureFixture[str]) -> None:
     env = {"TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[${role_name}:${rank}]"}
-    assert plan([], env).log_line_prefix_template == "[${role_name}:${rank}]"
-    assert plan(["--log-line-prefix-template", "<${local_rank}>"], env).log_line_prefix_template
+    assert config([], env).log_line_prefix_template == "[${role_name}:${rank}]"
+    assert config(["--log-line-prefix-template", "<${local_rank}>"], env).log_line_prefix_template
     assert "${local_rank}" in refusal(["--log-line-prefix-template", "${nope}"], capsys)
 
 
-def test_shutdown_timeout_falls_back_to_torch_env(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan([], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout == 7.0
-    assert (
-        plan(["--shutdown-timeout", "3"], {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout
-        == 3.0
-    )
+def test_shutdown_timeout_falls_back_to_torch_env(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Read by LaunchConfig, from the process environment, and nowhere else.
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "7")
+    assert config([]).shutdown_timeout == 7.0
+    assert config(["--shutdown-timeout", "3"]).shutdown_timeout == 3.0
     assert ">= 0" in refusal(["--shutdown-timeout", "-1"], capsys)
-    assert "TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon'" in refusal(
-        [], capsys, environ={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "soon"}
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")
+    assert refusal([], capsys) == (
+        "argument --shutdown-timeout/--shutdown_timeout: TORCH_ELASTIC_SHUTDOWN_TIMEOUT='soon': "
+        "'soon' is not a number of seconds (e.g. 30 or 0.5); fix or unset it"
     )
 
 
@@ -205,8 +225,8 @@ def test_shutdown_timeout_falls_back_to_torch_env(capsys: pytest.CaptureFixture[
     ("text", "expected"), [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4)), ("3:3", (3, 3))]
 )
 def test_nnodes_forms(text: str, expected: tuple[int, int]) -> None:
-    p = plan(["--nnodes", text, "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"])
-    assert (p.min_nodes, p.max_nodes) == expected
+    c = config(["--nnodes", text, "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"])
+    assert (c.min_nodes, c.max_nodes) == expected
 
 
 @pytest.mark.parametrize("text", ["0", "2:1", "a", "1:2:3", "", "-1:2"])
@@ -217,7 +237,7 @@ def test_bad_nnodes_is_refused(text: str, capsys: pytest.CaptureFixture[str]) ->
 
 def test_nproc_per_node_cpu_counts_usable_cores() -> None:
     assert resolve_nproc_per_node("cpu") == len(os.sched_getaffinity(0))
-    assert plan(["--nproc-per-node", "cpu"]).nproc_per_node == len(os.sched_getaffinity(0))
+    assert config(["--nproc-per-node", "cpu"]).nproc_per_node == len(os.sched_getaffinity(0))
 
 
 def test_nproc_per_node_int_and_refusals() -> None:
@@ -242,7 +262,7 @@ def test_nproc_per_node_names_are_resolved_lazily() -> None:
         seen.append(text)
         return 5
 
-    assert plan(["--nproc-per-node", "auto"], nproc_resolver=resolver).nproc_per_node == 5
+    assert config(["--nproc-per-node", "auto"], nproc_resolver=resolver).nproc_per_node == 5
     assert seen == ["auto"]
 
 
@@ -258,67 +278,112 @@ def test_nproc_per_node_names_are_resolved_lazily() -> None:
 )
 def test_flags_we_cannot_honour_are_refused(argv: list[str], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment) as info:
-        plan(argv)
+        launch(argv)
     assert "cannot be honoured" in str(info.value)
 
 
 def test_refused_flags_at_their_default_are_accepted() -> None:
-    assert plan(["--event-log-handler", "null"]).single_node
+    assert config(["--event-log-handler", "null"]).event_log_handler == "null"
+
+
+def _standalone(c: LaunchConfig) -> bool:
+    """LaunchConfig's single-node launch without a rendezvous store (torchrun's standalone)."""
+    return c.rdzv_endpoint == "" and c.max_nodes == 1 and c._derived().store is None
 
 
 def test_standalone_is_one_node_with_a_fresh_id_and_ignores_rendezvous_flags() -> None:
-    p = plan(["--standalone", "--rdzv-backend", "etcd", "--rdzv-id", "job7"])
-    assert p.single_node
-    assert p.master_port is None
-    assert p.run_id not in ("none", "job7")
-    assert len(p.run_id) == 36
-    assert plan(["--standalone"]).run_id != p.run_id
-    assert any("--standalone ignores" in w and "job7" in w for w in p.warnings)
-    assert plan(["--standalone"]).warnings == ()
-    assert plan([], {"PET_STANDALONE": "1"}).single_node
+    c, cmd = launch(["--standalone", "--rdzv-backend", "etcd", "--rdzv-id", "job7"])
+    assert _standalone(c)
+    assert c.run_id not in ("none", "job7")
+    assert len(c.run_id) == 36
+    assert config(["--standalone"]).run_id != c.run_id
+    assert any("--standalone ignores" in w and "job7" in w for w in cmd.warnings)
+    assert command(["--standalone"]).warnings == ()
+    assert _standalone(config([], {"PET_STANDALONE": "1"}))
 
 
 def test_standalone_refuses_more_than_one_node() -> None:
     with pytest.raises(ValueError, match="--standalone runs a single node"):
-        plan(["--standalone", "--nnodes", "1:2"])
+        launch(["--standalone", "--nnodes", "1:2"])
 
 
 def test_bare_single_node_is_like_standalone() -> None:
-    p = plan(["--nproc-per-node", "2"])
-    assert p.single_node
-    assert p.master_port is None
-    assert len(p.run_id) == 36
+    c = config(["--nproc-per-node", "2"])
+    assert _standalone(c)
+    assert len(c.run_id) == 36
 
 
 def test_single_node_with_master_port_keeps_it() -> None:
-    p = plan(["--master-port", "29611", "--master-addr", "10.0.0.1"])
-    assert p.single_node
-    assert (p.master_addr, p.master_port, p.run_id) == ("10.0.0.1", 29611, "none")
+    c = config(["--master-port", "29611", "--master-addr", "10.0.0.1"])
+    assert (c.rdzv_backend, c.rdzv_endpoint, c.run_id) == ("static", "10.0.0.1:29611", "none")
+    assert c._derived().store == ("10.0.0.1", 29611)
+    assert c.rdzv_configs["rank"] == 0
 
 
 def test_multi_node_static_uses_master_addr_and_port() -> None:
-    p = plan(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "9"])
-    assert not p.single_node
-    assert p.rdzv_backend == "static"
-    assert p.rdzv_endpoint == "h0:9"
-    assert p.rdzv_configs == {"rank": 1}
-    assert p.node_rank == 1
-    assert plan(["--nnodes", "2"]).rdzv_endpoint == "127.0.0.1:29500"  # torchrun's port
+    c = config(["--nnodes", "2", "--node-rank", "1", "--master-addr", "h0", "--master-port", "9"])
+    assert c.rdzv_backend == "static"
+    assert c.rdzv_endpoint == "h0:9"
+    assert c.rdzv_configs == {"rank": 1, "timeout": 900}
+    assert c._derived().store == ("h0", 9)
+    assert config(["--nnodes", "2"]).rdzv_endpoint == "127.0.0.1:29500"  # torchrun's port
 
 
 def test_static_rendezvous_needs_fixed_node_count_and_rank_in_range() -> None:
     with pytest.raises(ValueError, match="fixed number of nodes"):
-        plan(["--nnodes", "1:2"])
+        launch(["--nnodes", "1:2"])
     with pytest.raises(ValueError, match="--node-rank=2 is out of range"):
-        plan(["--nnodes", "2", "--node-rank", "2"])
+        launch(["--nnodes", "2", "--node-rank", "2"])
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "nodes", "store"),
+    [
+        ("h0:29400", 2, ("h0", 29400)),
+        ("[::1]:29400", 2, ("::1", 29400)),
+        ("h0:29400", 1, ("h0", 29400)),
+        ("h0:0", 1, ("h0", None)),
+        ("h0", 1, ("h0", None)),
+    ],
+)
+def test_the_static_store_address_is_decided_once_for_the_cli_and_the_api(
+    endpoint: str, nodes: int, store: tuple[str, int | None]
+) -> None:
+    from aioelastic._elastic_launch import static_store
+
+    assert static_store(endpoint, nodes) == store
+    api = LaunchConfig(
+        min_nodes=nodes, max_nodes=nodes, nproc_per_node=1, rdzv_backend="static",
+        rdzv_endpoint=endpoint,
+    )  # fmt: skip
+    cli = config(["--nnodes", str(nodes), "--rdzv-endpoint", endpoint])
+    assert api._derived().store == cli._derived().store == store
+
+
+@pytest.mark.parametrize("endpoint", ["h0:0", "h0"])
+def test_a_static_store_of_several_nodes_needs_a_fixed_port(
+    endpoint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    message = (
+        "the static rendezvous of 2 nodes needs a fixed port every node can reach, "
+        f"got {endpoint!r}"
+    )
+    with pytest.raises(ValueError, match=re.escape(f"rdzv_endpoint: {message}")):
+        LaunchConfig(
+            min_nodes=2, max_nodes=2, nproc_per_node=1, rdzv_backend="static",
+            rdzv_endpoint=endpoint,
+        )  # fmt: skip
+    assert f"argument --rdzv-endpoint/--rdzv_endpoint: {message}" in refusal(
+        ["--nnodes", "2", "--rdzv-endpoint", endpoint], capsys
+    )
 
 
 def test_c10d_needs_an_endpoint_and_parses_rdzv_conf(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(ValueError, match="--rdzv-endpoint"):
-        plan(["--rdzv-backend", "c10d", "--nnodes", "1:2"])
-    p = plan(
+        launch(["--rdzv-backend", "c10d", "--nnodes", "1:2"])
+    c = config(
         [
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=127.0.0.1:29400",
@@ -327,14 +392,14 @@ def test_c10d_needs_an_endpoint_and_parses_rdzv_conf(
             "--rdzv-conf=join_timeout=60, last_call_timeout=2",
         ]
     )
-    assert not p.single_node
-    assert p.rdzv_configs == {"join_timeout": "60", "last_call_timeout": "2"}
-    assert (p.rdzv_backend, p.rdzv_endpoint, p.run_id) == ("c10d", "127.0.0.1:29400", "job")
+    assert c.rdzv_configs == {"join_timeout": "60", "last_call_timeout": "2", "timeout": 900}
+    assert (c.rdzv_backend, c.rdzv_endpoint, c.run_id) == ("c10d", "127.0.0.1:29400", "job")
+    assert c._derived().store is None
     assert "KEY=VALUE" in refusal(["--rdzv-conf", "join_timeout"], capsys)
 
 
 def test_warnings_for_flags_the_backend_ignores() -> None:
-    p = plan(
+    p = command(
         [
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=h:1",
@@ -349,17 +414,27 @@ def test_warnings_for_flags_the_backend_ignores() -> None:
 
 
 def test_module_no_python_and_run_path_commands() -> None:
-    assert plan(["-m"]).args == ("-u", "-m", "train.py", "--lr", "0.1")
-    assert plan(["--module"]).entrypoint == sys.executable
-    p = plan(["--no-python"])
+    from aioelastic.run import run_script_path
+
+    assert command(["-m"]).args == ("-u", "-m", "train.py", "--lr", "0.1")
+    assert command(["--module"]).entrypoint == sys.executable
+    p = command(["--no-python"])
     assert (p.entrypoint, p.args) == ("train.py", ("--lr", "0.1"))
+    assert p.target() == ("train.py", ("--lr", "0.1"))
     with pytest.raises(ValueError, match="cannot be used together"):
-        plan(["--no-python", "-m"])
-    p = plan_from_args(parse_args(["--run-path", "/abs/train.py", "x"], {}), {})
+        launch(["--no-python", "-m"])
+    _, p = config_from_args(parse_args(["--run-path", "/abs/train.py", "x"], {}), {})
     assert (p.run_path, p.entrypoint, p.args) == (True, "/abs/train.py", ("x",))
+    assert p.target() == (run_script_path, ("/abs/train.py", "x"))
     with pytest.raises(ValueError, match="absolute path"):
-        plan(["--run-path"])
-    assert plan([], {"PYTHON_EXEC": "/opt/py"}).entrypoint == "/opt/py"
+        launch(["--run-path"])
+    assert command([], {"PYTHON_EXEC": "/opt/py"}).entrypoint == "/opt/py"
+    # Our own interpreter runs the script through the stack hook; PYTHON_EXEC's as is.
+    assert command([]).target() == (
+        sys.executable,
+        ("-u", "-m", "aioelastic._stack_hook", "train.py", "--lr", "0.1"),
+    )
+    assert command([], {"PYTHON_EXEC": "/opt/py"}).target()[1][:2] == ("-u", "train.py")
 
 
 def test_script_arguments_that_look_like_our_flags_belong_to_the_script() -> None:
@@ -370,11 +445,11 @@ def test_script_arguments_that_look_like_our_flags_belong_to_the_script() -> Non
 
 
 def test_tee_implies_files_as_in_torchrun() -> None:
-    p = plan(["--nproc-per-node", "3", "--tee", "0:1,2:2", "--redirects", "0:2"])
-    assert p.tee == {0: Std.OUT, 2: Std.ERR}
-    assert p.redirects == {0: Std.ALL, 1: Std.NONE, 2: Std.ERR}
-    p = plan(["--tee", "1", "--redirects", "2"])
-    assert p.redirects == Std.ALL
+    c = config(["--nproc-per-node", "3", "--tee", "0:1,2:2", "--redirects", "0:2"])
+    assert c.tee == {0: Std.OUT, 2: Std.ERR}
+    assert c.redirects == {0: Std.ALL, 1: Std.NONE, 2: Std.ERR}
+    c = config(["--tee", "1", "--redirects", "2"])
+    assert c.redirects == Std.ALL
 
 
 @pytest.mark.parametrize(
@@ -383,7 +458,7 @@ def test_tee_implies_files_as_in_torchrun() -> None:
         (["--redirects", "4"], "argument -r/--redirects: invalid Std value '4'"),
         (["--tee", "0:1", "--nproc-per-node", "1", "--redirects", "5:1"], "local rank 5"),
         (["--local-ranks-filter", "a"], "comma-separated"),
-        (["--local-ranks-filter", "3", "--nproc-per-node", "2"], "local rank 3"),
+        (["--nproc-per-node", "2", "--local-ranks-filter", "3"], "local rank 3"),
         (["--signals-to-handle", "SIGNOPE"], "'SIGNOPE' is not a signal"),
         (["--signals-to-handle", "SIGKILL"], "SIGKILL cannot be handled"),
         (["--no-retry-exit-codes", "0"], "0 is success"),
@@ -400,15 +475,19 @@ def test_tee_implies_files_as_in_torchrun() -> None:
 def test_bad_values_are_refused_with_the_flag_named(
     argv: list[str], fragment: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert fragment in refusal(argv, capsys)
+    message = refusal(argv, capsys)
+    assert fragment in message
+    # The flag given last is the one at fault, and the message names it.
+    flag = flag_for([arg for arg in argv if arg.startswith("--")][-1][2:].replace("-", "_"))
+    assert "/".join(flag.names) in message
 
 
 def test_master_port_0_is_a_free_port_for_one_node() -> None:
-    assert plan(["--master-port", "0"]).master_port is None
+    assert config(["--master-port", "0"])._derived().store == ("127.0.0.1", None)
 
 
 def test_empty_signals_to_handle_handles_none() -> None:
-    assert plan(["--signals-to-handle", ""]).signals_to_handle == ()
+    assert config(["--signals-to-handle", ""])._derived().agent.signals == ()
 
 
 def test_help_marks_our_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -456,3 +535,52 @@ def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
         values.duration("inf")
     with pytest.raises(TypeError, match="not a collection of exit codes"):
         values.exit_codes(2)
+
+
+@pytest.mark.timeout(60)
+def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from aioelastic import _values as values
+    from aioelastic import elastic_launch
+    from aioelastic._config import AgentConfig
+
+    builds: list[dict[str, Any]] = []
+    shutdown_reads: list[object] = []
+    build, read = AgentConfig.build.__func__, values.shutdown_timeout  # type: ignore[attr-defined]
+
+    def counted_build(cls: type[AgentConfig], **kw: Any) -> AgentConfig:
+        builds.append(kw)
+        return build(cls, **kw)  # type: ignore[no-any-return]
+
+    def counted_read(value: object, environ: Mapping[str, str] | None = None) -> float:
+        shutdown_reads.append(value)
+        return read(value, environ)
+
+    monkeypatch.setattr(AgentConfig, "build", classmethod(counted_build))
+    monkeypatch.setattr(values, "shutdown_timeout", counted_read)
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
+    c = config(["--nproc-per-node", "2"])
+    c.log_dir = tmp_path  # set per run by the launcher: applied, not parsed
+    assert asyncio.run(elastic_launch(c, "/bin/true")()) == {0: None, 1: None}
+    assert len(builds) == 1
+    assert shutdown_reads == [None]
+    assert c.shutdown_timeout == 4.0
+    assert (tmp_path / "attempt_0" / "0").is_dir()
+
+
+def test_a_changed_config_is_checked_and_resolved_again() -> None:
+    c = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, tee={1: Std.OUT})
+    first = c._derived()
+    assert c._derived() is first
+    assert isinstance(c.tee, dict)
+    c.tee[5] = Std.OUT  # a change in place is seen too
+    with pytest.raises(ValueError, match=r"^tee: local rank 5 in .* local ranks are 0\.\.1$"):
+        c._derived()
+    c.tee = Std.ALL
+    assert c._derived().agent.tee == {0: Std.ALL, 1: Std.ALL}
+    c.rdzv_backend, c.rdzv_endpoint = "static", "h0:0"
+    assert c._derived().store == ("h0", None)
+    copy = pickle.loads(pickle.dumps(c))
+    assert copy == c
+    assert copy._derived().store == ("h0", None)
