@@ -9,7 +9,6 @@ hold data and check it on construction; `aioelastic._agent` runs them.
 from __future__ import annotations
 
 import enum
-import math
 import os
 import random
 import string
@@ -69,12 +68,10 @@ class RestartBackoff:
     jitter: float = 0.5
 
     def __post_init__(self) -> None:
+        # Through the command line's parser for --restart-backoff/-max, so that a bad value
+        # reads the same from both.
         for name in ("initial", "maximum", "multiplier", "jitter"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"RestartBackoff.{name} must be a number, got {value!r}")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"RestartBackoff.{name} must be finite and >= 0, got {value}")
+            values.field(f"RestartBackoff.{name}", values.duration, getattr(self, name))
         if self.multiplier < 1:
             raise ValueError(f"RestartBackoff.multiplier must be >= 1, got {self.multiplier}")
         if self.jitter > 1:
@@ -167,6 +164,9 @@ class WorkerSpec:
             raise TypeError(f"args must be a tuple, got {type(args).__name__}: {args!r}")
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
+        for name in ("master_addr", "local_addr"):
+            if getattr(self, name) is not None:
+                values.field(name, values.host, getattr(self, name))
         if self.master_port is not None:
             # Port 0 is any free port, which is what None already asks for.
             self.master_port = values.field("master_port", values.port, self.master_port) or None

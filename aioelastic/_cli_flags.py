@@ -250,7 +250,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("master-addr"),
-        str,
+        cli_type(values.host, "ADDR"),
         "127.0.0.1",
         "Address of node rank 0 (static rendezvous only).",
         metavar="ADDR",

@@ -20,7 +20,7 @@ import os
 import re
 import signal
 import string
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 __all__ = [
@@ -442,9 +442,15 @@ def rank_filter(value: object, nprocs: int | None = None) -> frozenset[int] | No
         bad = sorted(rank for rank in ranks if rank >= nprocs)
         if bad:
             raise ValueError(
-                f"{value!r} names local rank {bad[0]}, but there are local ranks 0..{nprocs - 1}"
+                f"{_ranks_text(ranks)} names local rank {bad[0]}, but there are local ranks "
+                f"0..{nprocs - 1}"
             )
     return frozenset(ranks)
+
+
+def _ranks_text(ranks: Collection[int]) -> str:
+    """Ranks as the command line spells them (``0,2``), whichever form they came in."""
+    return ",".join(str(rank) for rank in sorted(ranks))
 
 
 def exit_codes(value: object) -> frozenset[int]:

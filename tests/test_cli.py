@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from aioelastic._agent_types import RestartBackoff
 from aioelastic._std import Std
 
 REPO = Path(__file__).resolve().parent.parent
@@ -268,8 +269,8 @@ _C10D = ["--rdzv-backend", "c10d", "--nnodes", "2"]
 # (command line before the script, extra environment, the API calls given the same value,
 # the message both must show). The CLI adds "argument --flag:" (or names the flag itself),
 # the API the argument's name. Every flag with an API twin has a row, with every API that
-# takes the value (LaunchConfig, WorkerSpec, LocalElasticAgent, start_processes); the
-# --restart-backoff flags are parsed as durations, but RestartBackoff words its own errors.
+# takes the value (LaunchConfig, WorkerSpec, LocalElasticAgent, start_processes,
+# RestartBackoff).
 BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]] = [
     (["--nproc-per-node", "0"], {}, [lambda: _config(nproc_per_node=0)], "0 is not >= 1"),
     (["--nnodes", "2:1"], {}, [lambda: _config(min_nodes=2, max_nodes=1)],
@@ -357,6 +358,15 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
       lambda: _start(forkserver_preload=("json", "3d"))], "'3d' is not a module name"),
     ([], {"PET_PRELOAD": "a..b"}, [lambda: _config(forkserver_preload=("a..b",))],
      "'a..b' is not a module name"),
+    (["--restart-backoff", "-1"], {}, [lambda: RestartBackoff(initial=-1)],
+     "-1 is not >= 0 seconds"),
+    (["--restart-backoff", "1", "--restart-backoff-max", "inf"], {},
+     [lambda: RestartBackoff(initial=1, maximum=float("inf"))],
+     "inf is not a finite number of seconds"),
+    (["--master-addr", "a b"], {}, [lambda: _spec(master_addr="a b")],
+     "'a b' is not a host name or address"),
+    (["--local-addr", "a b"], {}, [lambda: _spec(local_addr="a b")],
+     "'a b' is not a host name or address"),
 ]  # fmt: skip
 
 
