@@ -2,8 +2,9 @@
 
 Runs N start/wait/close cycles of 4 workers and prints the supervising process's open
 fds, resident memory and threads before and after (and the fork server's fds). The
-measuring function is the one ``tests/test_resources.py`` asserts on, so the printed
-figure and the test's bounds come from the same code. Run from the repository root.
+measuring function, :func:`workloads.cycles.measure_cycles`, is the one
+``tests/test_resources.py`` asserts on, so the printed figure and the test's bounds come
+from the same code. Run from the repository root.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import argparse
 
 import anyio
 
-from tests.test_resources import measure_cycles
+from workloads.cycles import measure_cycles
 
 
 def main() -> None:

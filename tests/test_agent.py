@@ -472,10 +472,10 @@ async def _cancel_when_ready(ready: ReadyChannel, scope: anyio.CancelScope) -> N
 
 @pytest.mark.asyncio
 async def test_a_spare_node_the_job_never_needed_ends_quietly() -> None:
-    from tests.test_rendezvous import _SpareNodeHandler
+    from tests.spare_node import SpareNodeHandler
 
     spec = WorkerSpec(
-        local_world_size=2, entrypoint=children.report, rdzv_handler=_SpareNodeHandler()
+        local_world_size=2, entrypoint=children.report, rdzv_handler=SpareNodeHandler()
     )
     agent = LocalElasticAgent(spec, signals_to_handle="")
     result, events = await run_collecting(agent)

@@ -27,8 +27,7 @@ import asyncio
 import os
 import signal
 import sys
-import tempfile
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +36,8 @@ import pytest
 
 import aioelastic
 from aioelastic import Std, _platform
+from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
-from tests.conftest import _open_fds, _zombie_children
-from tests.test_soak import Audit, _reaped, audit_fds
 from tests.waits import ReadyFifo
 
 pytestmark = pytest.mark.asyncio
@@ -134,8 +132,8 @@ async def _each_run(scenario: Scenario, tmp: Path, *, fifo: _Fifo | None = None)
     Returns (runs, suspensions of the uncancelled run).
     """
     for n in range(1, MAX_RUNS + 1):
-        fds_before = _open_fds()
-        zombies_before = set(_zombie_children())
+        fds_before = open_fds()
+        zombies_before = set(zombie_children())
         temp_before = set(os.listdir(tmp))
         contexts: list[aioelastic.PContext] = []
         with anyio.CancelScope() as scope:
@@ -146,7 +144,7 @@ async def _each_run(scenario: Scenario, tmp: Path, *, fifo: _Fifo | None = None)
         audit = Audit()
         for ctx in contexts:
             await _check_stopped(ctx, audit)
-        zombies = [z for z in _zombie_children() if z not in zombies_before]
+        zombies = new_zombies(zombies_before)
         if zombies:
             audit.fail("zombies", f"unreaped children {zombies}")
         audit_fds(fds_before, audit)
@@ -163,25 +161,12 @@ async def _each_run(scenario: Scenario, tmp: Path, *, fifo: _Fifo | None = None)
 async def _check_stopped(ctx: aioelastic.PContext, audit: Audit) -> None:
     pids = ctx.pids()
     for rank, pid in pids.items():
-        state = await _reaped(pid, 5.0)
+        state = await reaped(pid, 5.0)
         if state is not None:
             audit.fail("processes", f"worker {rank} (pid {pid}) left in state {state}")
     members = _platform.live_group_members(set(pids.values()))
     if members:
         audit.fail("processes", f"process groups still have members: {members}")
-
-
-@pytest.fixture
-def private_tmp(tmp_path: Path) -> Iterator[Path]:
-    """Temporary log directories of this test in a directory of its own (shared machine)."""
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(tmp)
-    try:
-        yield tmp
-    finally:
-        tempfile.tempdir = saved
 
 
 def _report(capsys: pytest.CaptureFixture[str], what: str, runs: int, points: int) -> None:

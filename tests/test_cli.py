@@ -10,15 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,103 +23,10 @@ import pytest
 
 from aioelastic._agent_types import RestartBackoff
 from aioelastic._std import Std
+from tests.cli_run import REPO, Launcher, launch, launcher, wait_gone, with_env
 
-REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")
 READY = re.compile(r"ready rank=(\d+) pid=(\d+)(?: child=(\d+))?")
-
-
-class Launcher:
-    """A running ``python -m aioelastic.run``, its output collected line by line."""
-
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.argv = list(argv)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aioelastic.run", *argv],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._changed = threading.Condition()
-        assert self.proc.stdout is not None
-        assert self.proc.stderr is not None
-        self._readers = [
-            threading.Thread(target=self._read, args=(self.proc.stdout, self.out), daemon=True),
-            threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True),
-        ]
-        for reader in self._readers:
-            reader.start()
-
-    def _read(self, stream: object, lines: list[str]) -> None:
-        for line in stream:  # type: ignore[attr-defined]
-            with self._changed:
-                lines.append(line)
-                self._changed.notify_all()
-        stream.close()  # type: ignore[attr-defined]
-        with self._changed:
-            self._changed.notify_all()
-
-    @property
-    def stdout(self) -> str:
-        return "".join(self.out)
-
-    @property
-    def stderr(self) -> str:
-        return "".join(self.err)
-
-    def wait_for(
-        self, pattern: re.Pattern[str], count: int, timeout: float = 60
-    ) -> list[re.Match[str]]:
-        """The first ``count`` stdout lines matching ``pattern`` (waits for them)."""
-
-        def found() -> list[re.Match[str]]:
-            return [m for line in self.out if (m := pattern.search(line))]
-
-        with self._changed:
-            self._changed.wait_for(
-                lambda: len(found()) >= count or self.proc.poll() is not None, timeout
-            )
-        matches = found()
-        assert len(matches) >= count, (
-            f"wanted {count} x {pattern.pattern!r}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
-        )
-        return matches[:count]
-
-    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
-        with self._changed:
-            ok = self._changed.wait_for(lambda: text in self.stderr, timeout)
-        assert ok, f"{text!r} not on stderr:\n{self.stderr}"
-
-    def finish(self, timeout: float = 90) -> int:
-        code = self.proc.wait(timeout)
-        for reader in self._readers:
-            reader.join(timeout)
-        return code
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.finish()
-
-
-@contextmanager
-def launcher(*argv: str, env: dict[str, str] | None = None) -> Iterator[Launcher]:
-    run = Launcher(argv, env)
-    try:
-        yield run
-    finally:
-        run.kill()
-
-
-def launch(*argv: str, env: dict[str, str] | None = None, timeout: float = 90) -> Launcher:
-    """Run the launcher to completion."""
-    with launcher(*argv, env=env) as run:
-        run.finish(timeout)
-    return run
 
 
 def child_pids(pid: int) -> list[int]:
@@ -133,30 +37,8 @@ def child_pids(pid: int) -> list[int]:
     return pids
 
 
-def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
-    """Wait until every process in ``pids`` has exited; return those still running."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                alive.append(pid)
-        finally:
-            os.close(fd)
-    return alive
-
-
 def env_lines(run: Launcher) -> list[dict[str, str]]:
     return [json.loads(line[4:]) for line in run.out if line.startswith("ENV ")]
-
-
-def with_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, **extra}
 
 
 # -- success, commands, environment ---------------------------------------------------------

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +31,25 @@ def envs(n: int) -> dict[int, dict[str, str]]:
     return {rank: {} for rank in range(n)}
 
 
-def supervise(*argv: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], float]:
-    """Run ``python -m tests.children.faults *argv``; its JSON lines are on stderr."""
+def python_m(
+    module: str, *argv: str, timeout: float = 90, preexec_fn: Callable[[], object] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python -m module *argv`` from the repository root: the process and its seconds."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.children.faults", *argv],
+        [sys.executable, "-m", module, *argv],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
     return proc, time.monotonic() - start
+
+
+def supervise(*argv: str, timeout: float = 90) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python -m tests.children.faults *argv``; its JSON lines are on stderr."""
+    return python_m("tests.children.faults", *argv, timeout=timeout)
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:
@@ -166,29 +174,20 @@ async def test_a_full_log_disk_does_not_stop_the_other_workers(full_tmpfs: Path)
 
 def test_full_log_disk_through_aioelastic_run(full_tmpfs: Path) -> None:
     log_dir = full_tmpfs / "logs"
-    start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aioelastic.run",
-            "--nproc-per-node",
-            "1",
-            "--log-dir",
-            str(log_dir),
-            "--redirects",
-            "1",
-            "--no-python",
-            "sh",
-            "-c",
-            "head -c 400000 /dev/zero | tr '\\0' x",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=90,
+    proc, took = python_m(
+        "aioelastic.run",
+        "--nproc-per-node",
+        "1",
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "1",
+        "--no-python",
+        "sh",
+        "-c",
+        "head -c 400000 /dev/zero | tr '\\0' x",
     )
-    assert time.monotonic() - start < 90
+    assert took < 90
     assert proc.returncode == 1, proc.stderr
     logs = list(log_dir.rglob("stdout.log"))
     assert len(logs) == 1
@@ -279,26 +278,17 @@ async def test_workers_start_with_default_signal_dispositions_and_an_empty_mask(
 
 def test_sigchld_ignored_through_aioelastic_run() -> None:
     # A shell's `trap "" CHLD` before exec: the launcher starts with SIGCHLD ignored.
-    start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "aioelastic.run",
-            "--nproc-per-node",
-            "2",
-            "--no-python",
-            "sh",
-            "-c",
-            'if [ "$LOCAL_RANK" = 1 ]; then exit 3; fi',
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=90,
+    proc, took = python_m(
+        "aioelastic.run",
+        "--nproc-per-node",
+        "2",
+        "--no-python",
+        "sh",
+        "-c",
+        'if [ "$LOCAL_RANK" = 1 ]; then exit 3; fi',
         preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN),
     )
-    assert time.monotonic() - start < 90
+    assert took < 90
     assert proc.returncode != 0, proc.stderr
     assert "rank      : 1 (local_rank: 1)" in proc.stderr
     assert re.search(r"exitcode  : 3 \(pid: \d+\)", proc.stderr), proc.stderr

@@ -31,33 +31,33 @@ def _stop(preload: tuple[str, ...]) -> None:
     fork_server(preload).stop()
 
 
+async def add_on_server(
+    name: str, preload: tuple[str, ...], *pairs: tuple[int, int]
+) -> aioelastic.RunProcsResult:
+    """Run one ``core.add`` worker per pair, forked by the fork server of ``preload``."""
+    return await aioelastic.run_processes(
+        name,
+        core.add,
+        dict(enumerate(pairs)),
+        envs(len(pairs)),
+        start_method="forkserver",
+        forkserver_preload=preload,
+    )
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
 async def test_a_killed_server_is_replaced_on_the_next_start() -> None:
     preload = ("tests.children.core",)
     try:
-        first = await aioelastic.run_processes(
-            "warm",
-            core.add,
-            {0: (1, 2)},
-            envs(1),
-            start_method="forkserver",
-            forkserver_preload=preload,
-        )
+        first = await add_on_server("warm", preload, (1, 2))
         assert first.return_values == {0: 3}
         dead = fork_server(preload).pid
         assert dead is not None
         os.kill(dead, signal.SIGKILL)
         await wait_gone(dead)
         start = time.monotonic()
-        second = await aioelastic.run_processes(
-            "again",
-            core.add,
-            {0: (2, 2), 1: (3, 3)},
-            envs(2),
-            start_method="forkserver",
-            forkserver_preload=preload,
-        )
+        second = await add_on_server("again", preload, (2, 2), (3, 3))
         assert time.monotonic() - start < 30
         assert second.return_values == {0: 4, 1: 6}
         fresh = fork_server(preload).pid
@@ -79,14 +79,7 @@ async def test_a_server_that_dies_on_a_request_is_replaced_and_the_start_retried
     preload = ("tests.children.forkserver_dies",)
     monkeypatch.setenv("AIOELASTIC_TEST_DIE_ONCE", str(tmp_path / "died"))
     try:
-        result = await aioelastic.run_processes(
-            "retry",
-            core.add,
-            {0: (1, 1)},
-            envs(1),
-            start_method="forkserver",
-            forkserver_preload=preload,
-        )
+        result = await add_on_server("retry", preload, (1, 1))
         assert result.return_values == {0: 2}
         assert (tmp_path / "died").exists()
     finally:
@@ -100,14 +93,7 @@ async def test_a_server_that_dies_again_after_replacement_gives_a_clear_error() 
     start = time.monotonic()
     try:
         with pytest.raises(ForkServerError) as caught:
-            await aioelastic.run_processes(
-                "dies",
-                core.add,
-                {0: (1, 1)},
-                envs(1),
-                start_method="forkserver",
-                forkserver_preload=preload,
-            )
+            await add_on_server("dies", preload, (1, 1))
         assert time.monotonic() - start < 30
         assert str(caught.value).startswith("the fork server (pid ")
         assert (
@@ -129,14 +115,7 @@ async def test_a_fork_failure_in_the_server_is_a_clear_start_error() -> None:
         for _ in range(2):
             start = time.monotonic()
             with pytest.raises(ForkServerError) as caught:
-                await aioelastic.run_processes(
-                    "nproc",
-                    core.add,
-                    {0: (1, 1)},
-                    envs(1),
-                    start_method="forkserver",
-                    forkserver_preload=preload,
-                )
+                await add_on_server("nproc", preload, (1, 1))
             assert time.monotonic() - start < 30
             assert str(caught.value) == (
                 "the fork server could not fork a worker: [Errno 11] Resource temporarily "
@@ -169,14 +148,7 @@ async def test_cancelling_a_start_while_the_server_imports_returns_at_once(
             async def start() -> None:
                 nonlocal returned_at
                 try:
-                    await aioelastic.run_processes(
-                        "slow",
-                        core.add,
-                        {0: (1, 1), 1: (2, 2)},
-                        envs(2),
-                        start_method="forkserver",
-                        forkserver_preload=preload,
-                    )
+                    await add_on_server("slow", preload, (1, 1), (2, 2))
                 finally:
                     returned_at = time.monotonic()
 
@@ -239,14 +211,7 @@ async def test_a_server_at_its_open_file_limit_gives_a_clear_start_error() -> No
         for attempt in range(2):
             start = time.monotonic()
             with pytest.raises(ForkServerError) as caught:
-                await aioelastic.run_processes(
-                    "nofile",
-                    core.add,
-                    {0: (1, 1)},
-                    envs(1),
-                    start_method="forkserver",
-                    forkserver_preload=preload,
-                )
+                await add_on_server("nofile", preload, (1, 1))
             assert time.monotonic() - start < 30
             # How many fit depends on the fds the interpreter holds; never all five.
             assert re.fullmatch(
@@ -274,14 +239,7 @@ async def test_a_preload_that_fails_is_imported_once_for_all_ranks(
     monkeypatch.setenv("AIOELASTIC_TEST_IMPORTS", str(imports))
     start = time.monotonic()
     with pytest.raises(ForkServerError) as caught:
-        await aioelastic.run_processes(
-            "fails",
-            core.add,
-            {rank: (1, 1) for rank in range(4)},
-            envs(4),
-            start_method="forkserver",
-            forkserver_preload=preload,
-        )
+        await add_on_server("fails", preload, *[(1, 1)] * 4)
     assert time.monotonic() - start < 30
     message = str(caught.value)
     assert message.startswith(

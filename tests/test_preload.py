@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cli import REPO, launch, launcher, wait_gone, with_env
+from tests.cli_run import REPO, launch, launcher, wait_gone, with_env
 
 PROBE = str(REPO / "tests" / "children" / "preload_probe.py")
 READY = re.compile(r"ready pid=(\d+)")

@@ -19,6 +19,7 @@ torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 from aioelastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
 from aioelastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
 from aioelastic._values import endpoint as parse_endpoint  # noqa: E402
+from tests.spare_node import SpareNodeHandler  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -301,39 +302,9 @@ async def test_a_node_joining_a_later_round_gets_the_worker_store_of_rank_0() ->
     await first.aclose()
 
 
-class _SpareNodeHandler(torch_rendezvous.RendezvousHandler):  # type: ignore[misc]
-    """What torch's c10d handler does for a spare node (one beyond ``max_nodes``) once the
-    job closes the rendezvous: raise ``RendezvousGracefulExitError``.
-
-    The real sequence needs torch's private redundancy list to be observed before closing,
-    which no public call exposes; the translation under test is the same either way.
-    """
-
-    def get_backend(self) -> str:
-        return "c10d"
-
-    def next_rendezvous(self) -> None:
-        raise torch_rendezvous.RendezvousGracefulExitError("the rendezvous is closed")
-
-    def is_closed(self) -> bool:
-        return True
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return "spare"
-
-    def shutdown(self) -> bool:
-        return True
-
-
 @pytest.mark.asyncio
 async def test_a_spare_node_told_to_leave_is_not_an_error() -> None:
-    rdzv = Rendezvous(_SpareNodeHandler())
+    rdzv = Rendezvous(SpareNodeHandler())
     assert await rdzv.next_rendezvous("trainer", 1) is None
     await rdzv.aclose()
 

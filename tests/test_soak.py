@@ -45,12 +45,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,11 +63,20 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 import aioelastic
 from aioelastic import Std, _launchers, _platform
 from aioelastic._forkserver import fork_server
+from tests.audit import (
+    Audit,
+    audit_fds,
+    kill_all,
+    new_zombies,
+    open_fds,
+    processes_with_env,
+    reaped,
+    zombie_children,
+)
 from tests.children import core as core_children
 from tests.children import errors as errors_children
 from tests.children import faults as faults_children
 from tests.children import soak
-from tests.conftest import _long_lived_helper_fds, _open_fds, _zombie_children
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = pytest.mark.asyncio
@@ -375,22 +383,9 @@ def _exited(pidfd: int | None) -> bool:
     return bool(select.select([pidfd], [], [], 0)[0])
 
 
-def _has_mark(pid: int, needle: bytes) -> bool:
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return needle in f.read().split(b"\0")
-    except OSError:
-        return False
-
-
 def processes_with_mark(mark: str) -> list[int]:
     """Live processes (zombies excluded) started under this round's mark."""
-    needle = f"{soak.ROUND_MARK}={mark}".encode()
-    return [
-        int(e)
-        for e in os.listdir("/proc")
-        if e.isdigit() and _has_mark(int(e), needle) and is_running(int(e))
-    ]
+    return processes_with_env(soak.ROUND_MARK, mark)
 
 
 async def _all_exit(pids: list[int], timeout: float) -> list[int]:
@@ -408,43 +403,7 @@ async def _all_exit(pids: list[int], timeout: float) -> list[int]:
     return [pid for pid in pids if is_running(pid)]
 
 
-async def _reaped(pid: int, timeout: float) -> str | None:
-    """The state of worker ``pid`` once reaped, or its state when ``timeout`` passed.
-
-    A fork server reaps its workers when the supervisor releases them, a message it
-    handles on its own time; no event tells us when it did, so this checks the process
-    table at short intervals, bounded.
-    """
-    deadline = time.monotonic() + timeout
-    while (state := process_state(pid)) is not None and time.monotonic() < deadline:
-        await anyio.sleep(0.005)
-    return state
-
-
-def _kill_all(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 # -- auditing a round --------------------------------------------------------------------
-
-
-@dataclass
-class Audit:
-    """What one round lost, and why (the round's description leads every problem)."""
-
-    lost: Counter[str] = field(default_factory=Counter)
-    problems: list[str] = field(default_factory=list)
-    #: Leftovers of a known bug awaiting its fix, shown apart (see KNOWN_BUGS_PENDING).
-    known: Counter[str] = field(default_factory=Counter)
-
-    def fail(self, category: str | None, text: str, count: int = 1) -> None:
-        if category is not None:
-            self.lost[category] += count
-        self.problems.append(text)
 
 
 def _temp_entries(tmp: Path) -> set[str]:
@@ -622,8 +581,8 @@ async def run_here(
     fifo = SoakFifo(directory)
     seen = Seen()
     log_dir = None if rnd.temp_logs else directory / "logs"
-    fds_before = _open_fds()
-    zombies_before = set(_zombie_children())
+    fds_before = open_fds()
+    zombies_before = set(zombie_children())
     temp_before = _temp_entries(tmp)
     ctx = _start(rnd, log_dir)
     contexts.append(ctx)
@@ -678,18 +637,6 @@ async def run_here(
     audit_fds(fds_before, audit)
 
 
-def audit_fds(before: dict[int, str], audit: Audit) -> None:
-    """No descriptor opened since ``before`` is still open (warm helpers aside)."""
-    helper_fds = _long_lived_helper_fds()
-    leaked = {
-        fd: target
-        for fd, target in _open_fds().items()
-        if fd not in helper_fds and before.get(fd) != target
-    }
-    if leaked:
-        audit.fail("fds", f"file descriptors left open: {leaked}", len(leaked))
-
-
 async def _audit_processes(
     rnd: Round, pids: dict[int, int], seen: Seen, zombies_before: set[int], audit: Audit
 ) -> None:
@@ -699,7 +646,7 @@ async def _audit_processes(
     for rank, pid in pids.items():
         # Our own children are reaped by the time close() returns; a fork server reaps
         # its workers when released, moments later.
-        state = await _reaped(pid, 5.0) if rnd.method == "forkserver" else process_state(pid)
+        state = await reaped(pid, 5.0) if rnd.method == "forkserver" else process_state(pid)
         if state == "Z":
             zombies[pid] = f"worker {rank}"
         elif state is not None:
@@ -712,14 +659,13 @@ async def _audit_processes(
             alive.setdefault(pid, f"member of worker group {pgid}")
     for pid in processes_with_mark(rnd.mark):
         alive.setdefault(pid, "carries the round's mark")
-    for pid in _zombie_children():
-        if pid not in zombies_before:
-            zombies.setdefault(pid, "child of the test process")
+    for pid in new_zombies(zombies_before):
+        zombies.setdefault(pid, "child of the test process")
     for pid, what in sorted(alive.items()):
         audit.fail("processes", f"pid {pid} still alive: {what}")
     for pid, what in sorted(zombies.items()):
         audit.fail("zombies", f"pid {pid} is an unreaped zombie: {what}")
-    _kill_all(list(alive))
+    kill_all(list(alive))
     for pid in zombies:
         try:
             os.waitpid(pid, os.WNOHANG)
@@ -783,7 +729,7 @@ async def run_in_child(rnd: Round, directory: Path, audit: Audit, faults: Counte
     released: dict[int, int] = {}
     report: dict[str, Any] | None = None
     pids: dict[int, int] = {}
-    zombies_before = set(_zombie_children())
+    zombies_before = set(zombie_children())
     proc = await anyio.open_process(
         [sys.executable, "-m", "tests.children.soak", "supervise", json.dumps(config)],
         stdin=subprocess.PIPE,
@@ -871,9 +817,9 @@ async def run_in_child(rnd: Round, directory: Path, audit: Audit, faults: Counte
     leftovers = sorted(set(left) | set(marked))
     if leftovers:
         audit.fail("processes", f"processes of the round still alive: {leftovers}", len(leftovers))
-        _kill_all(leftovers)
+        kill_all(leftovers)
     seen.close()
-    zombies = [z for z in _zombie_children() if z not in zombies_before]
+    zombies = new_zombies(zombies_before)
     if zombies:
         audit.fail("zombies", f"unreaped children: {zombies}", len(zombies))
     _count_faults(rnd, seen, released, faults)
@@ -1011,7 +957,7 @@ async def run_env_fault(rnd: Round, directory: Path, audit: Audit, faults: Count
     left = processes_with_mark(rnd.mark)
     if left:
         audit.fail("processes", f"{kind}: processes left alive {left}", len(left))
-        _kill_all(left)
+        kill_all(left)
 
 
 def _mount_tmpfs(path: Path) -> bool:
@@ -1040,7 +986,7 @@ async def _rescue(rnd: Round, contexts: list[aioelastic.PContext], audit: Audit)
     pids = [p for ctx in contexts for p in ctx.pids().values()]
     pids += processes_with_mark(rnd.mark)
     audit.fail("processes", f"round hung; killed its processes {pids}", len(pids))
-    _kill_all(pids)
+    kill_all(pids)
 
 
 # -- the soak ------------------------------------------------------------------------------
@@ -1069,22 +1015,6 @@ def _table(
         lines.append("known, pending a fix (not counted as lost)")
         lines += [f"  {k}".ljust(width) + str(v) for k, v in sorted(known.items())]
     return "\n".join(lines)
-
-
-@pytest.fixture
-def private_tmp(tmp_path: Path) -> Iterator[Path]:
-    """Send every temporary directory of this test to a directory of its own.
-
-    The machine is shared: other runs create aioelastic_* directories in /tmp too.
-    """
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    saved = tempfile.tempdir
-    tempfile.tempdir = str(tmp)
-    try:
-        yield tmp
-    finally:
-        tempfile.tempdir = saved
 
 
 @pytest.mark.slow
@@ -1124,7 +1054,7 @@ async def test_soak(tmp_path: Path, private_tmp: Path, capsys: pytest.CaptureFix
             for error in _leaves(exc):
                 where = traceback.format_tb(error.__traceback__)[-1].strip().replace("\n", " | ")
                 audit.fail(None, f"{type(error).__name__}: {error} (at {where})")
-            _kill_all(processes_with_mark(rnd.mark))
+            kill_all(processes_with_mark(rnd.mark))
         rounds[
             "in this process"
             if rnd.where == "here"
@@ -1176,7 +1106,7 @@ async def test_the_audit_catches_what_a_round_leaves_behind(tmp_path: Path) -> N
     (logs / "0" / "stray.tmp").write_text("{")
     audit_files(rnd, logs, audit)
     assert audit.lost["temp files"] == 2
-    before = _open_fds()
+    before = open_fds()
     r, w = os.pipe()
     audit_fds(before, audit)
     os.close(r)

@@ -32,7 +32,7 @@ from benchmarks.measures._common import (
     check_failure,
     envs_for,
     log_dir,
-    set_stdlib_forkserver_preload,
+    preload_torch_if_asked,
     torch_mp,
     wait_ready_async,
 )
@@ -176,19 +176,11 @@ def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
     return _torch_elastic(ctx, _bin.executable(), _bin_args(ctx))
 
 
-def _torch_preload(ctx: RepContext) -> None:
-    # torch's worker wrapper (its _wrap) lives in torch, so each of its function workers
-    # imports torch even when the user's function does not; a torch-preloading fork
-    # server keeps that ~1.5 s out of every repetition (it is not what c/d measure).
-    if ctx.params.get("torch_preload"):
-        set_stdlib_forkserver_preload(["torch"])
-
-
 def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic: function workers (fork server), default wait()."""
     from benchmarks import _fn_light
 
-    _torch_preload(ctx)
+    preload_torch_if_asked(ctx)
     return _torch_elastic(ctx, _fn_light.fail_or_sleep, _fn_args(ctx), start_method="forkserver")
 
 
@@ -197,7 +189,7 @@ def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     mp = torch_mp()
     from benchmarks import _fn_light
 
-    _torch_preload(ctx)
+    preload_torch_if_asked(ctx)
     args = _fn_args(ctx)[0][1:]
     pc = mp.start_processes(
         _fn_light.fail_or_sleep, args=args, nprocs=ctx.n, join=False, start_method="forkserver"

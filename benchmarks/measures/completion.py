@@ -14,11 +14,12 @@ from benchmarks._spec import SECONDS, Group, Measure, RepContext, Row, System
 from benchmarks._util import now_ns, seconds
 from benchmarks.measures._common import (
     NAME,
+    TORCH_PRELOAD,
     aio_core,
     check_success,
     envs_for,
     log_dir,
-    set_stdlib_forkserver_preload,
+    preload_torch_if_asked,
     torch_mp,
 )
 
@@ -29,85 +30,70 @@ def _fn_args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
     return {r: (r, str(ctx.workdir)) for r in range(ctx.n)}
 
 
-async def aio_bin(ctx: RepContext) -> dict[str, float]:
-    """aioelastic run_processes of N /bin/true."""
+async def _aio(ctx: RepContext, entrypoint: Any, args: dict[int, Any], **kw: Any) -> float:
+    """Seconds from aioelastic's ``run_processes`` call to its successful result."""
     core = aio_core()
     start = now_ns()
     result = await core.run_processes(
         name=NAME,
-        entrypoint=TRUE,
-        args={r: () for r in range(ctx.n)},
+        entrypoint=entrypoint,
+        args=args,
         envs=envs_for(ctx.n),
         log_dir=log_dir(ctx),
+        **kw,
     )
     elapsed = now_ns() - start
     check_success(result, "aioelastic")
-    return {"seconds": seconds(elapsed)}
+    return seconds(elapsed)
+
+
+def _torch_elastic(ctx: RepContext, entrypoint: Any, args: dict[int, Any], **kw: Any) -> float:
+    """Seconds from torch.distributed.elastic's ``start_processes`` to ``wait()``'s result."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    start = now_ns()
+    pc = start_processes(
+        name=NAME,
+        entrypoint=entrypoint,
+        args=args,
+        envs=envs_for(ctx.n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
+        **kw,
+    )
+    try:
+        result = pc.wait()
+        elapsed = now_ns() - start
+    finally:
+        pc.close()
+    check_success(result, "torch.elastic")
+    return seconds(elapsed)
+
+
+async def aio_bin(ctx: RepContext) -> dict[str, float]:
+    """aioelastic run_processes of N /bin/true."""
+    return {"seconds": await _aio(ctx, TRUE, {r: () for r in range(ctx.n)})}
 
 
 def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes + wait() of N /bin/true."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-
-    start = now_ns()
-    pc = start_processes(
-        name=NAME,
-        entrypoint=TRUE,
-        args={r: () for r in range(ctx.n)},
-        envs=envs_for(ctx.n),
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
-    )
-    try:
-        result = pc.wait()
-        elapsed = now_ns() - start
-    finally:
-        pc.close()
-    check_success(result, "torch.elastic")
-    return {"seconds": seconds(elapsed)}
+    return {"seconds": _torch_elastic(ctx, TRUE, {r: () for r in range(ctx.n)})}
 
 
 async def aio_fn(ctx: RepContext) -> dict[str, float]:
     """aioelastic run_processes of N no-op functions (fork server)."""
-    core = aio_core()
     from benchmarks import _fn_light
 
-    start = now_ns()
-    result = await core.run_processes(
-        name=NAME,
-        entrypoint=_fn_light.noop,
-        args=_fn_args(ctx),
-        envs=envs_for(ctx.n),
-        log_dir=log_dir(ctx),
-        start_method="forkserver",
-    )
-    elapsed = now_ns() - start
-    check_success(result, "aioelastic")
-    return {"seconds": seconds(elapsed)}
+    return {"seconds": await _aio(ctx, _fn_light.noop, _fn_args(ctx), start_method="forkserver")}
 
 
 def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes + wait() of N no-op functions."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-
     from benchmarks import _fn_light
 
-    _torch_preload(ctx)
-    start = now_ns()
-    pc = start_processes(
-        name=NAME,
-        entrypoint=_fn_light.noop,
-        args=_fn_args(ctx),
-        envs=envs_for(ctx.n),
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
-        start_method="forkserver",
-    )
-    try:
-        result = pc.wait()
-        elapsed = now_ns() - start
-    finally:
-        pc.close()
-    check_success(result, "torch.elastic")
-    return {"seconds": seconds(elapsed)}
+    preload_torch_if_asked(ctx)
+    return {
+        "seconds": _torch_elastic(ctx, _fn_light.noop, _fn_args(ctx), start_method="forkserver")
+    }
 
 
 def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
@@ -115,7 +101,7 @@ def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     mp = torch_mp()
     from benchmarks import _fn_light
 
-    _torch_preload(ctx)
+    preload_torch_if_asked(ctx)
     start = now_ns()
     mp.start_processes(
         _fn_light.noop, args=(str(ctx.workdir),), nprocs=ctx.n, join=True, start_method="forkserver"
@@ -123,16 +109,7 @@ def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     return {"seconds": seconds(now_ns() - start)}
 
 
-def _torch_preload(ctx: RepContext) -> None:
-    # torch's worker wrapper (its _wrap) lives in torch, so each of its function workers
-    # imports torch even when the user's function does not; a torch-preloading fork
-    # server keeps that ~1.5 s out of the comparison, which is about waiting, not imports.
-    if ctx.params.get("torch_preload"):
-        set_stdlib_forkserver_preload(["torch"])
-
-
 _M = "benchmarks.measures.completion"
-_TP = {"torch_preload": True}
 
 MEASURE = Measure(
     name="completion",
@@ -160,8 +137,10 @@ MEASURE = Measure(
             name="fn",
             systems=(
                 System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System("torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", _TP),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", _TP),
+                System(
+                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
+                ),
+                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
             ),
             rows=(
                 Row("fn no-op forkserver", "aioelastic/forkserver", "torch.elastic/forkserver"),

@@ -8,9 +8,9 @@ stopping those siblings, which both systems do before handing the failure over.
 from __future__ import annotations
 
 from benchmarks._spec import SECONDS, Group, Measure, Row, System
+from benchmarks.measures._common import TORCH_PRELOAD
 
 _M = "benchmarks.measures._failjob"
-_TP = {"torch_preload": True}
 _PARAMS = {"ignore_term": False, "grace": 30.0, "limit": 60.0, "jitter": 1.0}
 
 MEASURE = Measure(
@@ -42,8 +42,10 @@ MEASURE = Measure(
             name="fn",
             systems=(
                 System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System("torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", _TP),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", _TP),
+                System(
+                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
+                ),
+                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
             ),
             rows=(
                 Row(

@@ -14,9 +14,9 @@ close(g): N running SIGTERM-ignoring binaries, from the call to ``close`` with g
 from __future__ import annotations
 
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.measures._common import TORCH_PRELOAD
 
 _M = "benchmarks.measures._failjob"
-_TP = {"torch_preload": True}
 _PARAMS = {"ignore_term": True, "grace": 0.5, "limit": 5.0, "jitter": 0.0}
 _QUICK = {"grace": 0.2, "limit": 1.5}
 BEYOND = Metric("beyond_grace", "ms beyond g", scale=1000.0)
@@ -38,8 +38,10 @@ MEASURE = Measure(
             name="fn-after-failure",
             systems=(
                 System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System("torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", _TP),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", _TP),
+                System(
+                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
+                ),
+                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
             ),
             rows=(
                 Row("fn after failure", "aioelastic/forkserver", "torch.elastic/forkserver"),
