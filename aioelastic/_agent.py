@@ -45,8 +45,6 @@ from . import _log_root as log_root
 from ._agent_env import worker_env
 from ._agent_types import (
     DEFAULT_ROLE,
-    DEFAULT_SIGNALS_TO_HANDLE,
-    RestartBackoff,
     RunResult,
     Worker,
     WorkerGroup,
@@ -81,19 +79,7 @@ from ._results import RunProcsResult
 from ._signals import SignalReceived, SignalScope, handle_signals
 from ._std import Std
 
-# The types are defined in `._agent_types` and stay importable from here: code and docs
-# written against torch's layout (and pickles) name them as ``aioelastic._agent.X``.
-__all__ = [
-    "DEFAULT_ROLE",
-    "DEFAULT_SIGNALS_TO_HANDLE",
-    "LocalElasticAgent",
-    "RestartBackoff",
-    "RunResult",
-    "Worker",
-    "WorkerGroup",
-    "WorkerSpec",
-    "WorkerState",
-]
+__all__ = ["LocalElasticAgent"]
 
 logger = logging.getLogger("aioelastic.agent")
 

@@ -71,7 +71,8 @@ class RestartBackoff:
         # Through the command line's parser for --restart-backoff/-max, so that a bad value
         # reads the same from both.
         for name in ("initial", "maximum", "multiplier", "jitter"):
-            values.field(f"RestartBackoff.{name}", values.duration, getattr(self, name))
+            parsed = values.field(f"RestartBackoff.{name}", values.duration, getattr(self, name))
+            object.__setattr__(self, name, parsed)  # frozen: set once, here
         if self.multiplier < 1:
             raise ValueError(f"RestartBackoff.multiplier must be >= 1, got {self.multiplier}")
         if self.jitter > 1:

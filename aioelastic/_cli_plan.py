@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _values as values
-from ._agent import RestartBackoff
+from ._agent_types import RestartBackoff
 from ._cli_flags import FLAGS, flag_for
 from ._elastic_launch import LaunchConfig
 from ._std import Std, to_map

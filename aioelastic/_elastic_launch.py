@@ -26,19 +26,15 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from . import _values as values
-from ._agent import (
-    DEFAULT_SIGNALS_TO_HANDLE,
-    LocalElasticAgent,
-    RestartBackoff,
-    RunResult,
-    WorkerSpec,
-)
+from ._agent import LocalElasticAgent
+from ._agent_types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec
 from ._backend import require_asyncio
 from ._config import AgentConfig
 from ._errors import ChildFailedError
 from ._event_hub import EventHub
 from ._events import EventStream
-from ._rendezvous import Rendezvous, create_rdzv_handler
+from ._rdzv_handlers import create_rdzv_handler
+from ._rdzv_node import Rendezvous
 from ._signals import SignalReceived
 from ._std import Std
 

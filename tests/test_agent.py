@@ -390,8 +390,10 @@ def test_backoff_delays_grow_cap_and_jitter() -> None:
         RestartBackoff(multiplier=0.5)
     with pytest.raises(ValueError, match="maximum"):
         RestartBackoff(initial=5.0, maximum=1.0)
+    # The command line's duration parser: text is read as seconds, other types refused.
+    assert RestartBackoff(initial="1").initial == 1.0  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="initial"):
-        RestartBackoff(initial="1")  # type: ignore[arg-type]
+        RestartBackoff(initial=[1])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="counts from 1"):
         exact.delay(0)
 
