@@ -76,9 +76,7 @@ class CommandLine:
 
             return ScriptRun(self.entrypoint, self.module), self.args
         if self.run_path:
-            # By its importable name: under ``python -m aioelastic.run`` that module is
-            # ``__main__``, which a spawned worker could not unpickle a function from.
-            from .run import run_script_path
+            from ._script import run_script_path
 
             return run_script_path, (self.entrypoint, *self.args)
         if self.entrypoint == sys.executable and self.args[:1] == ("-u",):

@@ -169,6 +169,11 @@ def _target_lock(stream: object) -> threading.Lock:
         return lock
 
 
+def consoles() -> dict[str, ConsoleStream]:
+    """This process's console writers by stream name (kept by the runtime)."""
+    return runtime.consoles
+
+
 def console(name: StreamName) -> ConsoleStream:
     """The process-wide writer for the supervisor's ``stdout`` or ``stderr``.
 
@@ -177,7 +182,7 @@ def console(name: StreamName) -> ConsoleStream:
     queued there would never be written (the runtime forgets them at the fork).
     """
     with runtime.lock:
-        stream = runtime.consoles.get(name)
+        stream = consoles().get(name)
         if stream is None:
-            stream = runtime.consoles[name] = ConsoleStream(name)
+            stream = consoles()[name] = ConsoleStream(name)
         return stream

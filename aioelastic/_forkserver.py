@@ -530,24 +530,28 @@ def _kill_and_reap(popen: subprocess.Popen[bytes]) -> None:
     runtime.own_children.discard(popen.pid)
 
 
+def servers() -> dict[tuple[str, ...], ForkServer]:
+    """This process's warm fork servers by preload list (kept by the runtime)."""
+    return runtime.fork_servers
+
+
 def fork_server(preload: tuple[str, ...]) -> ForkServer:
     """The shared fork server for this preload list (created, not started)."""
     with runtime.lock:
-        server = runtime.fork_servers.get(preload)
+        server = servers().get(preload)
         if server is None:
-            server = runtime.fork_servers[preload] = ForkServer(preload)
+            server = servers()[preload] = ForkServer(preload)
         return server
 
 
 def running_server_pids() -> list[int]:
     """Pids of the fork servers this process keeps warm."""
-    servers = runtime.fork_servers.values()
-    return [s._pid for s in servers if s._pid is not None and s._sock is not None]
+    return [s._pid for s in servers().values() if s._pid is not None and s._sock is not None]
 
 
 def open_server_fds() -> list[int]:
     """Fds this process holds for its warm fork servers."""
-    return [s._sock.fileno() for s in runtime.fork_servers.values() if s._sock is not None]
+    return [s._sock.fileno() for s in servers().values() if s._sock is not None]
 
 
 @forget_in_child
@@ -556,7 +560,7 @@ def _forget_servers_in_child() -> None:
     # here, a server object the child still refers to finds no server and starts its
     # own, instead of asking the parent's server to fork (and reap) for it. No lock:
     # another thread may have held it at the fork.
-    for server in runtime.fork_servers.values():
+    for server in servers().values():
         sock, server._sock, server._popen, server._pid = server._sock, None, None, None
         if sock is not None:
             sock.close()
@@ -564,7 +568,7 @@ def _forget_servers_in_child() -> None:
 
 @atexit.register
 def _shutdown_servers() -> None:
-    for server in list(runtime.fork_servers.values()):
+    for server in list(servers().values()):
         server.close()
     for popen in runtime.closed_fork_servers:
         try:

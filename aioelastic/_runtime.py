@@ -35,16 +35,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
     from anyio import CapacityLimiter
-
-    from ._console import ConsoleStream
-    from ._forkserver import ForkServer
 
 
 class Runtime:
@@ -65,12 +62,15 @@ class Runtime:
         self.lock = threading.Lock()
         #: Launcher threads: they never retire, see :mod:`aioelastic._launchers`.
         self.launcher_pool: ThreadPoolExecutor | None = None
-        #: Warm fork servers by preload list.
-        self.fork_servers: dict[tuple[str, ...], ForkServer] = {}
+        # The values of the next two are typed by their owners' accessors
+        # (`_forkserver.servers`, `_console.consoles`): the owners import this module, so
+        # it names none of their types, not even for type checking (no import cycle).
+        #: Warm fork servers (``ForkServer``) by preload list.
+        self.fork_servers: dict[tuple[str, ...], Any] = {}
         #: Fork servers told to stop but not reaped yet; reaped at interpreter exit.
         self.closed_fork_servers: list[subprocess.Popen[bytes]] = []
-        #: The writers of our ``stdout`` and ``stderr``, by stream name.
-        self.consoles: dict[str, ConsoleStream] = {}
+        #: The writers (``ConsoleStream``) of our ``stdout`` and ``stderr``, by stream name.
+        self.consoles: dict[str, Any] = {}
         #: One lock per file or pipe the consoles write to (by device and inode).
         self.console_locks: dict[object, threading.Lock] = {}
         #: Unbounded limiter for the exit-watch ``waitid`` threads (made in a running loop).

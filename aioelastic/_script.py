@@ -31,7 +31,7 @@ import types
 import zipfile
 from typing import IO, Any
 
-__all__ = ["ScriptRun"]
+__all__ = ["ScriptRun", "run_script_path"]
 
 _RUNNER_FILES = frozenset({__file__})
 
@@ -198,3 +198,14 @@ def _text_stream(fd: int, like: IO[Any] | None, errors: str) -> io.TextIOWrapper
         line_buffering=False,
         write_through=True,
     )
+
+
+def run_script_path(training_script: str, *training_script_args: str) -> None:
+    """Run a script in this interpreter as ``__main__`` (the worker side of ``--run-path``).
+
+    Args:
+        training_script: the script's absolute path.
+        training_script_args: its arguments (``sys.argv[1:]``).
+    """
+    sys.argv = [training_script, *training_script_args]
+    runpy.run_path(training_script, run_name="__main__")

@@ -39,6 +39,7 @@ from . import _log_root as log_root
 from ._cli_parser import parse_args, usage_error
 from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
 from ._narrate import LauncherFormatter
+from ._script import run_script_path
 from ._std import Std
 from ._subreaper import enable_subreaper
 
@@ -112,19 +113,6 @@ def exit_code_for(failure: ProcessFailure) -> int:
     if failure.exitcode < 0:
         return 128 + (-failure.exitcode)
     return failure.exitcode if 0 < failure.exitcode < 256 else 1
-
-
-def run_script_path(training_script: str, *training_script_args: str) -> None:
-    """Run a script in this interpreter as ``__main__`` (the worker side of ``--run-path``).
-
-    Args:
-        training_script: the script's absolute path.
-        training_script_args: its arguments (``sys.argv[1:]``).
-    """
-    import runpy
-
-    sys.argv = [training_script, *training_script_args]
-    runpy.run_path(training_script, run_name="__main__")
 
 
 def _configure_logging() -> None:
