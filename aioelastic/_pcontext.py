@@ -769,12 +769,15 @@ class PContext:
                 await pump.closed.wait()
         for scope in self._io_scopes:
             scope.cancel()
-        for pump in pumps:
-            pump.drain(max_chunks=1024)
-            pump.finish()
         for worker in self._workers:
+            for pump in (worker.stdout, worker.stderr):
+                pump.drain(max_chunks=1024)
+                pump.finish()
             if worker.result is not None:
                 worker.result.close()
+            # Closing a worker's pipes and log files is a handful of syscalls; for
+            # hundreds of workers, other tasks run in between.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         if self._owns_output:
             self._output.close()
         # Bounded: a console whose reader stopped reading (a paused terminal, a full
