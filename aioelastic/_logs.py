@@ -33,6 +33,7 @@ import anyio
 
 from ._console import ConsoleStream
 from ._frames import Framer, Live
+from ._lazy_event import LazyEvent
 from ._output import StreamOutput
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
@@ -84,7 +85,7 @@ class StreamPump:
         self._flush_at = math.inf
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
-        self.closed = anyio.Event()
+        self.closed = LazyEvent()
         #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
         #: stall reports).
         self.last_output: float | None = None
@@ -222,7 +223,7 @@ class StreamPump:
             self._append_to_log(chunk)
         if self._output is not None:
             self._output.feed(chunk)
-        if self._console is None and self._framer.tail is None:
+        if self._console is None and not self._framer.keeps_tail:
             return
         self._put(self._framer.feed(chunk))
         if not self._framer.holding:
