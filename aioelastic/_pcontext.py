@@ -189,9 +189,10 @@ class PContext:
         _platform.ensure_default_sigchld()
         # Creating a group's files (FIFOs, directories, log files) takes a millisecond
         # each on a slow or busy filesystem: hundreds of them would stall every other task
-        # of the event loop for a second. A thread makes them (the syscalls release the
-        # GIL); not abandoned on cancellation, so that whatever it made is cleaned up.
-        prepared = await anyio.to_thread.run_sync(self._open_and_prepare)
+        # of the event loop for a second. A launcher thread makes them (the syscalls
+        # release the GIL; no extra thread lingers); shielded, so that whatever it made
+        # reaches the cleanup below.
+        prepared = await _launchers.on_launcher_thread(self._open_and_prepare)
         try:
             try:
                 await _launchers.on_launcher_thread(watchdog.ensure_started)
@@ -200,8 +201,7 @@ class PContext:
         except BaseException:
             for rank_prep in prepared.values():
                 rank_prep.close_logs()
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._hangs.close)
+            await _launchers.on_launcher_thread(self._hangs.close)
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -786,7 +786,7 @@ class PContext:
             for stream in (console("stdout"), console("stderr")):
                 await stream.flush()
         # Removing hundreds of FIFOs and directories is as slow as creating them.
-        await anyio.to_thread.run_sync(self._remove_files)
+        await _launchers.on_launcher_thread(self._remove_files)
 
     def _remove_files(self) -> None:
         """Blocking: remove the stack FIFOs and the temporary log directory (if empty)."""

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Sequence
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 
 from . import _platform
+from ._launchers import on_launcher_thread
 from ._subreaper import sweep_strays
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -124,7 +124,7 @@ async def _groups_empty(
     try:
         # One read of /proc/<pid>/stat per process on the machine: with hundreds of
         # workers (their zombies included) tens of milliseconds, kept off the loop.
-        members = await anyio.to_thread.run_sync(_platform.live_group_members, pgids)
+        members = await on_launcher_thread(_platform.live_group_members, pgids)
     except OSError as exc:
         logger.warning("aioelastic: cannot list the workers' process groups: %s", exc)
         return False
