@@ -76,7 +76,10 @@ class Framer:
         self._shown = 0
         #: The line being written has been redrawn by a ``\r``: what is held is a frame.
         self._redrawn = False
-        self.tail: deque[bytes] | None = deque(maxlen=TAIL_LINES) if keep_tail else None
+        #: Whether the last lines are kept (see ``tail_lines``).
+        self.keeps_tail = keep_tail
+        # Made at the first line: a group of hundreds of quiet workers keeps no empty deques.
+        self._tail: deque[bytes] | None = None
         #: The last frame of the current line shown so far (what a report quotes for it).
         self._tail_frame = b""
 
@@ -136,9 +139,9 @@ class Framer:
 
     def tail_lines(self) -> list[bytes]:
         """The last lines, each as it was last drawn, with what is still held."""
-        if self.tail is None:
+        if not self.keeps_tail:
             return []
-        lines = list(self.tail)
+        lines = list(self._tail or ())
         if self._partial:
             lines.append(_tail_entry(_last_drawn(bytes(self._partial)) or self._tail_frame))
         elif self._tail_frame:
@@ -200,13 +203,13 @@ class Framer:
         line = bytes(self._partial)
         self._partial.clear()
         self._shown = 0
-        if self.tail is not None:
-            self.tail.append(_tail_entry(_last_drawn(line) or self._tail_frame))
+        if self.keeps_tail:
+            self._tail_lines().append(_tail_entry(_last_drawn(line) or self._tail_frame))
         self._tail_frame = b""
         return self._framed(line + b"\n") if self._console else b""
 
     def _keep_tail(self, block: bytes) -> None:
-        if self.tail is None:
+        if not self.keeps_tail:
             return
         end = block.rfind(b"\n") + 1
         if end:
@@ -216,10 +219,15 @@ class Framer:
             entries = [_last_drawn(line) for line in lines]
             if first_is_current and not entries[0]:
                 entries[0] = self._tail_frame
-            self.tail.extend(_tail_entry(entry) for entry in entries)
+            self._tail_lines().extend(_tail_entry(entry) for entry in entries)
             self._tail_frame = b""
         if end < len(block):
             self._tail_frame = _last_drawn(block[end:]) or self._tail_frame
+
+    def _tail_lines(self) -> deque[bytes]:
+        if self._tail is None:
+            self._tail = deque(maxlen=TAIL_LINES)
+        return self._tail
 
     def _framed(self, block: bytes) -> bytes:
         """``block`` (ending with ``\\n`` or ``\\r``) with the prefix at each column 0."""

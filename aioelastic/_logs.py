@@ -33,6 +33,7 @@ import anyio
 
 from ._console import ConsoleStream
 from ._frames import Framer, Live
+from ._lazy_event import LazyEvent
 from ._output import StreamOutput
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
@@ -54,6 +55,8 @@ class StreamPump:
         keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
         live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
         output: Where every chunk goes for ``ctx.output()`` subscribers (after the file).
+        log_fd: ``log_path`` already opened with :func:`create_log`; the pump owns it
+            from now on (closes it in :meth:`finish`).
     """
 
     def __init__(
@@ -66,11 +69,12 @@ class StreamPump:
         keep_tail: bool,
         live: Live = Live.OFF,
         output: StreamOutput | None = None,
+        log_fd: int | None = None,
     ) -> None:
+        self._log_fd: int | None = log_fd
         os.set_blocking(fd, False)
         self._fd: int | None = fd
         self._log_path = log_path
-        self._log_fd: int | None = None
         #: Bytes appended to the log file so far, and why appending stopped (if it did).
         self._log_written = 0
         self._log_error: OSError | None = None
@@ -81,7 +85,7 @@ class StreamPump:
         self._flush_at = math.inf
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
-        self.closed = anyio.Event()
+        self.closed = LazyEvent()
         #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
         #: stall reports).
         self.last_output: float | None = None
@@ -94,11 +98,7 @@ class StreamPump:
     def open_log(self) -> None:
         """Create the log file; refuses to overwrite one (``O_EXCL``)."""
         if self._log_path is not None and self._log_fd is None:
-            self._log_fd = os.open(
-                self._log_path,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC,
-                0o644,
-            )
+            self._log_fd = create_log(self._log_path)
 
     async def run(self) -> None:
         """Pump until end-of-file (all writers — the worker and its children — are gone)."""
@@ -223,7 +223,7 @@ class StreamPump:
             self._append_to_log(chunk)
         if self._output is not None:
             self._output.feed(chunk)
-        if self._console is None and self._framer.tail is None:
+        if self._console is None and not self._framer.keeps_tail:
             return
         self._put(self._framer.feed(chunk))
         if not self._framer.holding:
@@ -234,6 +234,15 @@ class StreamPump:
     def _put(self, data: bytes) -> None:
         if data and self._console is not None:
             self._console.put(data)
+
+
+def create_log(path: Path) -> int:
+    """Create a stream's log file for appending; refuses to overwrite one (``O_EXCL``).
+
+    Blocking: creating a file can take a millisecond on a slow or busy filesystem, so a
+    group's log files are created off the event loop (see ``PContext``).
+    """
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

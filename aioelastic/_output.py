@@ -180,7 +180,8 @@ class StreamOutput:
         self._tags = (local_rank, stream)
         self._rank = rank
         self._attempt = attempt
-        self._history: deque[tuple[float, bytes]] = deque()
+        # Made at the first chunk: a group of hundreds of quiet workers keeps no empty deques.
+        self._history: deque[tuple[float, bytes]] | None = None
         self._history_bytes = 0
         #: Items cut from the history before it: reported as ``missed`` on replay.
         self._history_dropped = 0
@@ -195,6 +196,8 @@ class StreamOutput:
     def feed(self, chunk: bytes) -> None:
         """Take the next bytes the worker wrote (the pump calls this for every read)."""
         now = time.monotonic()
+        if self._history is None:
+            self._history = deque()
         self._history.append((now, chunk))
         self._history_bytes += len(chunk)
         while self._history_bytes > HISTORY_BYTES and len(self._history) > 1:
@@ -231,7 +234,7 @@ class StreamOutput:
         saved = self._partial, self._partial_time
         self._partial = bytearray()
         try:
-            items = [item for when, chunk in self._history for item in self._cut(when, chunk)]
+            items = [item for when, chunk in self._history or () for item in self._cut(when, chunk)]
             partial, partial_time = self._partial, self._partial_time
         finally:
             self._partial, self._partial_time = saved

@@ -22,13 +22,14 @@ import socket
 import string
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, NoReturn
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import anyio.to_thread
 
 from . import _launchers, _platform
@@ -39,7 +40,7 @@ from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
 from ._hangs import HangConfig, HangGuard, WorkerHooks
-from ._logs import StreamPump
+from ._logs import StreamPump, create_log
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream, StreamOutput
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
@@ -74,12 +75,23 @@ _LIMIT_HINTS = {
 
 @dataclass(frozen=True)
 class _Prepared:
-    """What one rank needs to start: its environment, error file and call."""
+    """What one rank needs to start: its environment, error file, call and log files."""
 
     env: dict[str, str]
     error_file: str
     #: ``None`` for a binary, the call itself for fork, else its pickled form.
     payload: FunctionCall | bytes | None
+    #: The created log files of the logged streams, until a pump takes them over.
+    log_fds: dict[Std, int] = field(default_factory=dict)
+
+    def take_log(self, stream: Std) -> int | None:
+        """The log file of ``stream`` (``None`` if not logged); the caller now owns it."""
+        return self.log_fds.pop(stream, None)
+
+    def close_logs(self) -> None:
+        """Close the log files nobody took over (a start that failed); idempotent."""
+        while self.log_fds:
+            os.close(self.log_fds.popitem()[1])
 
 
 class PContext:
@@ -175,21 +187,29 @@ class PContext:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
         _platform.ensure_default_sigchld()
-        self._hangs.open()
+        # Creating a group's files (FIFOs, directories, log files) takes a millisecond
+        # each on a slow or busy filesystem: hundreds of them would stall every other task
+        # of the event loop for a second. A launcher thread makes them (the syscalls
+        # release the GIL; no extra thread lingers); shielded, so that whatever it made
+        # reaches the cleanup below.
+        prepared = await _launchers.on_launcher_thread(self._open_and_prepare)
         try:
-            prepared = self._prepare()
             try:
                 await _launchers.on_launcher_thread(watchdog.ensure_started)
             except OSError as exc:
                 _raise_start_error(exc, f"the watchdog process of {self.name!r}")
         except BaseException:
-            self._hangs.close()
+            for rank_prep in prepared.values():
+                rank_prep.close_logs()
+            await _launchers.on_launcher_thread(self._hangs.close)
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
             await self._start_all(prepared)
         except BaseException as exc:
+            for rank_prep in prepared.values():
+                rank_prep.close_logs()
             await self.close()
             await self._tg.__aexit__(None, None, None)
             raise exc
@@ -202,25 +222,55 @@ class PContext:
         self._stop_if_failed()
         return self
 
+    def _open_and_prepare(self) -> dict[int, _Prepared]:
+        """Blocking: the stack FIFOs, then :meth:`_prepare` (on a thread, see ``__aenter__``)."""
+        self._hangs.open()
+        try:
+            return self._prepare()
+        except BaseException:
+            self._hangs.close()
+            raise
+
     def _prepare(self) -> dict[int, _Prepared]:
-        """Log directories, environments and pickled calls: all that can fail, before a start."""
+        """Log files, environments and pickled calls: all that can fail, before a start."""
         spec = self._spec
         root = log_root.make_temporary(spec.name) if spec.log_dir is None else spec.log_dir
+        prepared: dict[int, _Prepared] = {}
+        created: list[Path] = []
         try:
-            prepared = {rank: self._prepare_rank(rank, root) for rank in range(spec.nprocs)}
+            for rank in range(spec.nprocs):
+                prepared[rank] = self._prepare_rank(rank, root)
+            for rank in range(spec.nprocs):
+                (root / str(rank)).mkdir(parents=True, exist_ok=True)
+                self._create_logs(rank, root, prepared[rank], created)
         except BaseException:
+            for rank_prep in prepared.values():
+                rank_prep.close_logs()
             if spec.log_dir is None:
                 shutil.rmtree(root, ignore_errors=True)
+            else:
+                # Nothing started: the empty logs made so far would only make the next
+                # start with this log_dir refuse it for holding earlier output.
+                for path in created:
+                    path.unlink(missing_ok=True)
             raise
         self._log_root = root
         self._temporary_log_root = spec.log_dir is None
-        for rank in range(spec.nprocs):
-            (root / str(rank)).mkdir(parents=True, exist_ok=True)
         if self._temporary_log_root and any(
             spec.redirects[r] | spec.tee[r] for r in spec.redirects
         ):
             logger.info("aioelastic: logs of %r are in %s", spec.name, root)
         return prepared
+
+    def _create_logs(self, rank: int, root: Path, prepared: _Prepared, created: list[Path]) -> None:
+        for stream, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
+            if stream in self._logged(rank):
+                path = root / str(rank) / name
+                try:
+                    prepared.log_fds[stream] = create_log(path)
+                except OSError as exc:
+                    _raise_start_error(exc, f"worker {rank} of {self.name!r}")
+                created.append(path)
 
     def _prepare_rank(self, rank: int, root: Path) -> _Prepared:
         spec = self._spec
@@ -265,6 +315,10 @@ class PContext:
         async with anyio.create_task_group() as tg:
             for rank in range(self._spec.nprocs):
                 tg.start_soon(start, rank)
+                # One worker's set-up (pipes, pumps, the hand-off to a launcher thread)
+                # per turn of the event loop, not all of them in one: other tasks keep
+                # running while hundreds of workers start.
+                await anyio.lowlevel.checkpoint()
         if errors:
             rank, exc = errors[0]
             _raise_start_error(exc, f"worker {rank} of {self.name!r}")
@@ -295,16 +349,19 @@ class PContext:
                 res_r, res_w = os.pipe2(os.O_CLOEXEC)
                 parent_ends.append(res_r)
                 child_ends.append(res_w)
-            stdout_pump = StreamPump(out_r, **stdout, live=stdio.live_stdout)
+            stdout_pump = StreamPump(
+                out_r, **stdout, live=stdio.live_stdout, log_fd=prepared.take_log(Std.OUT)
+            )
             pumps.append(stdout_pump)
-            stderr_pump = StreamPump(err_r, **stderr, live=stdio.live_stderr)
+            stderr_pump = StreamPump(
+                err_r, **stderr, live=stdio.live_stderr, log_fd=prepared.take_log(Std.ERR)
+            )
             pumps.append(stderr_pump)
-            stdout_pump.open_log()
-            stderr_pump.open_log()
             launched = await self._launch(
                 rank, prepared, out_w, err_w, res_w, parent_ends, stdio.stdin
             )
         except BaseException:
+            prepared.close_logs()
             _close_parent_ends(pumps, parent_ends)
             raise
         finally:
@@ -712,12 +769,15 @@ class PContext:
                 await pump.closed.wait()
         for scope in self._io_scopes:
             scope.cancel()
-        for pump in pumps:
-            pump.drain(max_chunks=1024)
-            pump.finish()
         for worker in self._workers:
+            for pump in (worker.stdout, worker.stderr):
+                pump.drain(max_chunks=1024)
+                pump.finish()
             if worker.result is not None:
                 worker.result.close()
+            # Closing a worker's pipes and log files is a handful of syscalls; for
+            # hundreds of workers, other tasks run in between.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
         if self._owns_output:
             self._output.close()
         # Bounded: a console whose reader stopped reading (a paused terminal, a full
@@ -725,6 +785,11 @@ class PContext:
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):
             for stream in (console("stdout"), console("stderr")):
                 await stream.flush()
+        # Removing hundreds of FIFOs and directories is as slow as creating them.
+        await _launchers.on_launcher_thread(self._remove_files)
+
+    def _remove_files(self) -> None:
+        """Blocking: remove the stack FIFOs and the temporary log directory (if empty)."""
         self._hangs.close()
         self._remove_temporary_logs()
 

@@ -14,6 +14,7 @@ import anyio
 
 from ._errors import ProcessFailure
 from ._launchers import Launched
+from ._lazy_event import LazyEvent
 from ._logs import StreamPump
 from ._result_pipe import ResultReceiver
 
@@ -41,9 +42,9 @@ class WorkerProcess:
     #: SIGKILL by its bound, so that nothing waits forever.
     watch_scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
     #: Set once the exit is recorded (``returncode`` known), whatever went wrong after.
-    exited: anyio.Event = field(default_factory=anyio.Event)
+    exited: LazyEvent = field(default_factory=LazyEvent)
     #: Set once the outcome below is final (``failure`` or ``return_value`` or neither).
-    settled: anyio.Event = field(default_factory=anyio.Event)
+    settled: LazyEvent = field(default_factory=LazyEvent)
     #: How it failed, if it did.
     failure: ProcessFailure | None = None
     #: Whether it exited 0 with its return value received (``None`` for a binary).

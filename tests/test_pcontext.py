@@ -465,3 +465,22 @@ async def test_stale_roots_are_swept_once_per_process_not_at_every_start(
     with anyio.fail_after(60):
         await aioelastic.run_processes("two", core.add, {0: (1, 2)}, envs(1))
     assert [p.name for p in tmp_path.iterdir()] == [later.name]  # left for the next process
+
+
+async def test_a_log_file_made_after_the_call_refuses_the_start_and_leaves_no_new_file(
+    tmp_path: Path,
+) -> None:
+    # Another run writes rank 1's stdout.log between the call (which checked log_dir) and
+    # the start: nothing starts, and the log files already made for rank 0 are removed
+    # again, so the directory holds only what the other run wrote.
+    ctx = aioelastic.start_processes(
+        "again", "true", {0: (), 1: ()}, envs(2), log_dir=tmp_path, redirects=aioelastic.Std.ALL
+    )
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "stdout.log").write_text("earlier\n")
+    with pytest.raises(FileExistsError):
+        async with ctx:
+            pytest.fail("the workers started")
+    files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["1/stdout.log"]
+    assert (tmp_path / "1" / "stdout.log").read_text() == "earlier\n"
