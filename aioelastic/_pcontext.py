@@ -47,7 +47,7 @@ from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._terminal import open_worker_stdio
-from ._validate import LaunchSpec, validate
+from ._validate import GroupSpec, validate
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
 
@@ -101,7 +101,7 @@ class PContext:
     entered and are all stopped when it is left, however it is left.
     """
 
-    def __init__(self, spec: LaunchSpec, hangs: HangConfig | None = None) -> None:
+    def __init__(self, spec: GroupSpec, hangs: HangConfig | None = None) -> None:
         self._spec = spec
         self._workers: list[WorkerProcess] = []
         self._output = OutputHub()

@@ -1,7 +1,7 @@
 """Checking ``start_processes`` arguments before anything starts.
 
 Every problem is reported here, with the offending value and the fix, so that a bad call
-never leaves half a group running. The result is a :class:`LaunchSpec` whose fields the
+never leaves half a group running. The result is a :class:`GroupSpec` whose fields the
 rest of the package can trust.
 """
 
@@ -20,12 +20,12 @@ from ._bootstrap import check_not_importing_main
 from ._std import Std, to_map
 from ._values import PREFIX_FIELDS, START_METHODS
 
-__all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "LaunchSpec", "validate"]
+__all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "GroupSpec", "validate"]
 LOG_FILES = ("stdout.log", "stderr.log", "error.json")
 
 
 @dataclass(frozen=True)
-class LaunchSpec:
+class GroupSpec:
     """Validated, normalised arguments of one group of workers."""
 
     name: str
@@ -67,7 +67,7 @@ def validate(
     forkserver_preload: Collection[str],
     local_ranks_filter: Collection[int] | None,
     log_line_prefix: str | None,
-) -> LaunchSpec:
+) -> GroupSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
     check_not_importing_main("start_processes()")
     values.field("name", values.name, name)
@@ -86,7 +86,7 @@ def validate(
             f"got {type(entrypoint).__name__}: {entrypoint!r}"
         )
     grace_period = values.field("grace_period", values.duration, grace_period)
-    return LaunchSpec(
+    return GroupSpec(
         name=name,
         entrypoint=resolved,
         args=clean_args,

@@ -100,7 +100,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     # process group is re-parented to us instead of init, and swept at each teardown.
     enable_subreaper()
     try:
-        return anyio.run(_launch, config, command)
+        return anyio.run(_run_job, config, command)
     except KeyboardInterrupt:
         # Ctrl-C before the agent handled signals (e.g. while connecting to the store):
         # no worker runs yet, so there is nothing to stop.
@@ -129,7 +129,7 @@ def _configure_logging() -> None:
         root.setLevel(logging.WARNING)
 
 
-async def _launch(config: LaunchConfig, command: CommandLine) -> int:
+async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
     from ._elastic_launch import elastic_launch
     from ._signals import SignalReceived
 
