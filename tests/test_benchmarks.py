@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -332,6 +333,10 @@ def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
 
     worker = subprocess.Popen(["/bin/sleep", "60"])
     try:
+        # Stopped, its memory cannot change between two readings (a process just past
+        # exec is still loading its libraries). waitpid(WUNTRACED) returns once it is.
+        os.kill(worker.pid, signal.SIGSTOP)
+        os.waitpid(worker.pid, os.WUNTRACED)
         assert worker.pid in children(os.getpid())
         assert rss_kb(worker.pid) > 0
         assert tree_kb(worker.pid, ()) == rss_kb(worker.pid)
