@@ -9,9 +9,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._compat import _old_paths
+
 if TYPE_CHECKING:
-    from ._agent import LocalElasticAgent
-    from ._agent_types import (
+    from ._compat._launch import MainProcessError, WorkerError, free_port, launch
+    from ._compat._spawn import (
+        ProcessException,
+        ProcessExitedException,
+        ProcessRaisedException,
+        spawn,
+    )
+    from ._core._errors import ChildFailedError, ProcessFailure, record
+    from ._core._output import OutputItem, OutputStream
+    from ._core._pcontext import PContext, run_processes, start_processes
+    from ._core._results import RunProcsResult
+    from ._core._signals import SignalReceived
+    from ._core._std import Std, to_map
+    from ._core._subreaper import enable_subreaper, subreaper_enabled
+    from ._elastic._agent import LocalElasticAgent
+    from ._elastic._agent_types import (
         RestartBackoff,
         RunResult,
         Worker,
@@ -19,9 +35,8 @@ if TYPE_CHECKING:
         WorkerSpec,
         WorkerState,
     )
-    from ._elastic_launch import LaunchConfig, elastic_launch, launch_agent
-    from ._errors import ChildFailedError, ProcessFailure, record
-    from ._events import (
+    from ._elastic._elastic_launch import LaunchConfig, elastic_launch, launch_agent
+    from ._elastic._events import (
         AgentEvent,
         EventStream,
         FailureReason,
@@ -34,69 +49,56 @@ if TYPE_CHECKING:
         WorkerFailed,
         WorkersStarted,
     )
-    from ._launch import MainProcessError, WorkerError, free_port, launch
-    from ._output import OutputItem, OutputStream
-    from ._pcontext import PContext, run_processes, start_processes
-    from ._rdzv_handlers import create_rdzv_handler
-    from ._results import RunProcsResult
-    from ._signals import SignalReceived
-    from ._spawn import (
-        ProcessException,
-        ProcessExitedException,
-        ProcessRaisedException,
-        spawn,
-    )
-    from ._std import Std, to_map
-    from ._subreaper import enable_subreaper, subreaper_enabled
+    from ._elastic._rdzv_handlers import create_rdzv_handler
 
 # Public name -> the private module that defines it. Attributes are imported on first
-# use: a spawned worker imports aioelastic._bootstrap, and must not pay for the agent,
+# use: a spawned worker imports aioelastic._core._bootstrap, and must not pay for the agent,
 # the CLI and anyio (over 100 ms of CPU per worker) to run one function.
 _EXPORTS = {
-    "LocalElasticAgent": "._agent",
-    "RestartBackoff": "._agent_types",
-    "RunResult": "._agent_types",
-    "Worker": "._agent_types",
-    "WorkerGroup": "._agent_types",
-    "WorkerSpec": "._agent_types",
-    "WorkerState": "._agent_types",
-    "LaunchConfig": "._elastic_launch",
-    "elastic_launch": "._elastic_launch",
-    "launch_agent": "._elastic_launch",
-    "ChildFailedError": "._errors",
-    "ProcessFailure": "._errors",
-    "record": "._errors",
-    "AgentEvent": "._events",
-    "EventStream": "._events",
-    "FailureReason": "._events",
-    "GroupRestarting": "._events",
-    "GroupStopping": "._events",
-    "RendezvousCompleted": "._events",
-    "RunFailed": "._events",
-    "RunSucceeded": "._events",
-    "StopReason": "._events",
-    "WorkerFailed": "._events",
-    "WorkersStarted": "._events",
-    "MainProcessError": "._launch",
-    "WorkerError": "._launch",
-    "free_port": "._launch",
-    "launch": "._launch",
-    "OutputItem": "._output",
-    "OutputStream": "._output",
-    "PContext": "._pcontext",
-    "run_processes": "._pcontext",
-    "start_processes": "._pcontext",
-    "create_rdzv_handler": "._rdzv_handlers",
-    "RunProcsResult": "._results",
-    "SignalReceived": "._signals",
-    "ProcessException": "._spawn",
-    "ProcessExitedException": "._spawn",
-    "ProcessRaisedException": "._spawn",
-    "spawn": "._spawn",
-    "Std": "._std",
-    "to_map": "._std",
-    "enable_subreaper": "._subreaper",
-    "subreaper_enabled": "._subreaper",
+    "LocalElasticAgent": "._elastic._agent",
+    "RestartBackoff": "._elastic._agent_types",
+    "RunResult": "._elastic._agent_types",
+    "Worker": "._elastic._agent_types",
+    "WorkerGroup": "._elastic._agent_types",
+    "WorkerSpec": "._elastic._agent_types",
+    "WorkerState": "._elastic._agent_types",
+    "LaunchConfig": "._elastic._elastic_launch",
+    "elastic_launch": "._elastic._elastic_launch",
+    "launch_agent": "._elastic._elastic_launch",
+    "ChildFailedError": "._core._errors",
+    "ProcessFailure": "._core._errors",
+    "record": "._core._errors",
+    "AgentEvent": "._elastic._events",
+    "EventStream": "._elastic._events",
+    "FailureReason": "._elastic._events",
+    "GroupRestarting": "._elastic._events",
+    "GroupStopping": "._elastic._events",
+    "RendezvousCompleted": "._elastic._events",
+    "RunFailed": "._elastic._events",
+    "RunSucceeded": "._elastic._events",
+    "StopReason": "._elastic._events",
+    "WorkerFailed": "._elastic._events",
+    "WorkersStarted": "._elastic._events",
+    "MainProcessError": "._compat._launch",
+    "WorkerError": "._compat._launch",
+    "free_port": "._compat._launch",
+    "launch": "._compat._launch",
+    "OutputItem": "._core._output",
+    "OutputStream": "._core._output",
+    "PContext": "._core._pcontext",
+    "run_processes": "._core._pcontext",
+    "start_processes": "._core._pcontext",
+    "create_rdzv_handler": "._elastic._rdzv_handlers",
+    "RunProcsResult": "._core._results",
+    "SignalReceived": "._core._signals",
+    "ProcessException": "._compat._spawn",
+    "ProcessExitedException": "._compat._spawn",
+    "ProcessRaisedException": "._compat._spawn",
+    "spawn": "._compat._spawn",
+    "Std": "._core._std",
+    "to_map": "._core._std",
+    "enable_subreaper": "._core._subreaper",
+    "subreaper_enabled": "._core._subreaper",
 }
 
 __all__ = [
@@ -152,6 +154,10 @@ __all__ = [
     "enable_subreaper",
     "subreaper_enabled",
 ]
+
+
+# Pickles made by an earlier version name the error types by their old module paths.
+_old_paths.install()
 
 
 def __getattr__(name: str) -> Any:

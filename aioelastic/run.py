@@ -35,17 +35,17 @@ from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 
-from . import _log_root as log_root
-from ._cli_parser import parse_args, usage_error
-from ._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
-from ._narrate import LauncherFormatter
-from ._script import run_script_path
-from ._std import Std
-from ._subreaper import enable_subreaper
+from ._cli._cli_parser import parse_args, usage_error
+from ._core import _log_root as log_root
+from ._core._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
+from ._core._script import run_script_path
+from ._core._std import Std
+from ._core._subreaper import enable_subreaper
+from ._elastic._narrate import LauncherFormatter
 
 if TYPE_CHECKING:
-    from ._cli_plan import CommandLine
-    from ._elastic_launch import LaunchConfig
+    from ._cli._cli_plan import CommandLine
+    from ._elastic._elastic_launch import LaunchConfig
 
 __all__ = ["exit_code_for", "main", "run", "run_script_path"]
 
@@ -73,14 +73,14 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         # Imported once the flags parsed: --help and a bad flag need no agent.
-        from ._cli_plan import config_from_args
+        from ._cli._cli_plan import config_from_args
 
         # Built here, before anything runs: a value the launch API refuses is a usage
         # error of the command line too (exit 2), not a launcher failure.
         config, command = config_from_args(args)
         if command.preload:
             # Checked now, as a usage error; the import itself runs during the rendezvous.
-            from ._validate import _check_preload
+            from ._core._validate import _check_preload
 
             try:
                 _check_preload(command.preload)
@@ -130,8 +130,8 @@ def _configure_logging() -> None:
 
 
 async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
-    from ._elastic_launch import elastic_launch
-    from ._signals import SignalReceived
+    from ._core._signals import SignalReceived
+    from ._elastic._elastic_launch import elastic_launch
 
     job_dir, temporary = _job_log_dir(config, command)
     entrypoint, args = command.target()
@@ -171,7 +171,7 @@ async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
 
 
 async def _warm_up(preload: tuple[str, ...]) -> None:
-    from ._forkserver import ForkServerError, fork_server
+    from ._core._forkserver import ForkServerError, fork_server
 
     try:
         await fork_server(preload).warm_up()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from aioelastic._platform import children_of
+from aioelastic._core._platform import children_of
 from tests.waits import is_running, process_state
 
 
@@ -89,14 +89,14 @@ def processes_with_env(name: str, value: str) -> list[int]:
 
 def fork_server_pids() -> list[int]:
     """The warm fork servers of this process."""
-    from aioelastic import _forkserver
+    from aioelastic._core import _forkserver
 
     return list(_forkserver.running_server_pids())
 
 
 def long_lived_pids() -> set[int]:
     """Processes aioelastic keeps on purpose between runs (warm fork servers, watchdog)."""
-    from aioelastic._watchdog import watchdog
+    from aioelastic._core._watchdog import watchdog
 
     pids = set(fork_server_pids())
     if watchdog.pid is not None:
@@ -106,8 +106,8 @@ def long_lived_pids() -> set[int]:
 
 def long_lived_fds() -> set[int]:
     """This process's descriptors to the processes of :func:`long_lived_pids`."""
-    from aioelastic import _forkserver
-    from aioelastic._watchdog import watchdog
+    from aioelastic._core import _forkserver
+    from aioelastic._core._watchdog import watchdog
 
     fds = set(_forkserver.open_server_fds())
     if watchdog.fileno() is not None:

@@ -30,17 +30,13 @@ import pytest
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
-from aioelastic import _forkserver  # noqa: E402
-from aioelastic._agent import LocalElasticAgent  # noqa: E402
-from aioelastic._agent_types import (  # noqa: E402
-    RestartBackoff,
-    RunResult,
-    WorkerSpec,
-    WorkerState,
-)
-from aioelastic._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402
-from aioelastic._errors import ChildFailedError  # noqa: E402
-from aioelastic._events import (  # noqa: E402
+from aioelastic._core import _forkserver  # noqa: E402
+from aioelastic._core._errors import ChildFailedError  # noqa: E402
+from aioelastic._core._signals import SignalReceived  # noqa: E402
+from aioelastic._elastic._agent import LocalElasticAgent  # noqa: E402
+from aioelastic._elastic._agent_types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402
+from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402
+from aioelastic._elastic._events import (  # noqa: E402
     AgentEvent,
     FailureReason,
     GroupRestarting,
@@ -51,7 +47,6 @@ from aioelastic._events import (  # noqa: E402
     WorkerFailed,
     WorkersStarted,
 )
-from aioelastic._signals import SignalReceived  # noqa: E402
 from tests.children import agent as children  # noqa: E402
 from tests.waits import wait_gone  # noqa: E402
 
@@ -626,7 +621,7 @@ async def test_without_store_sharing_each_attempt_gets_a_new_worker_port(
 def test_one_node_without_store_sharing_keeps_torch_out_of_the_launcher(out_dir: Path) -> None:
     code = (
         "import asyncio, json, sys\n"
-        "from aioelastic._elastic_launch import LaunchConfig, elastic_launch\n"
+        "from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch\n"
         "from tests.children.agent import report\n"
         "config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)\n"
         "out = asyncio.run(elastic_launch(config, report)(sys.argv[1]))\n"

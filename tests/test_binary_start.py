@@ -20,8 +20,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic import _launchers, _platform
-from aioelastic._watchdog import watchdog
+from aioelastic._core import _launchers, _platform
+from aioelastic._core._watchdog import watchdog
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

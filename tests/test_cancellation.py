@@ -35,7 +35,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic import Std, _platform
+from aioelastic import Std
+from aioelastic._core import _platform
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.waits import ReadyFifo

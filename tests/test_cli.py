@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from aioelastic._agent_types import RestartBackoff
-from aioelastic._std import Std
+from aioelastic._core._std import Std
+from aioelastic._elastic._agent_types import RestartBackoff
 from tests.cli_run import REPO, Launcher, launch, launcher, wait_gone, with_env
 
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")
@@ -96,7 +96,7 @@ def test_the_launcher_does_not_import_torch_for_a_single_node_run() -> None:
     # torch in the profile is the launcher's.
     imported = [line for line in run.err if re.search(r"\|\s+torch$", line.rstrip())]
     assert imported == [], "".join(imported)
-    assert any(re.search(r"\|\s+aioelastic\._agent$", line.rstrip()) for line in run.err)
+    assert any(re.search(r"\|\s+aioelastic\._elastic\._agent$", line.rstrip()) for line in run.err)
 
 
 # -- usage errors ---------------------------------------------------------------------------
@@ -300,7 +300,7 @@ def test_a_garbage_rdzv_endpoint_is_refused_before_torch_is_imported() -> None:
     assert "argument --rdzv-endpoint/--rdzv_endpoint: 'no such host!:29400' has no valid host" in (
         run.stderr
     )
-    assert re.search(r"\|\s+aioelastic\._cli_flags$", run.stderr, re.MULTILINE)
+    assert re.search(r"\|\s+aioelastic\._cli\._cli_flags$", run.stderr, re.MULTILINE)
     imported = [line for line in run.stderr.splitlines() if re.search(r"\|\s+torch$", line)]
     assert imported == []
 

@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from aioelastic import LaunchConfig
-from aioelastic._cli_flags import FLAGS, flag_for
-from aioelastic._cli_parser import build_parser, parse_args
-from aioelastic._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
-from aioelastic._std import Std
+from aioelastic._cli._cli_flags import FLAGS, flag_for
+from aioelastic._cli._cli_parser import build_parser, parse_args
+from aioelastic._cli._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
+from aioelastic._core._std import Std
 
 # Flags of torch's parser that torchrun marks private or that only torch.distributed.launch
 # has; everything else must exist here under the same spellings.
@@ -349,7 +349,7 @@ def test_static_rendezvous_needs_fixed_node_count_and_rank_in_range() -> None:
 def test_the_static_store_address_is_decided_once_for_the_cli_and_the_api(
     endpoint: str, nodes: int, store: tuple[str, int | None]
 ) -> None:
-    from aioelastic._elastic_launch import static_store
+    from aioelastic._elastic._elastic_launch import static_store
 
     assert static_store(endpoint, nodes) == store
     api = LaunchConfig(
@@ -432,7 +432,7 @@ def test_module_no_python_and_run_path_commands() -> None:
     # Our own interpreter runs the script through the stack hook; PYTHON_EXEC's as is.
     assert command([]).target() == (
         sys.executable,
-        ("-u", "-m", "aioelastic._stack_hook", "train.py", "--lr", "0.1"),
+        ("-u", "-m", "aioelastic._core._stack_hook", "train.py", "--lr", "0.1"),
     )
     assert command([], {"PYTHON_EXEC": "/opt/py"}).target()[1][:2] == ("-u", "train.py")
 
@@ -511,7 +511,7 @@ def test_missing_script_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
-    from aioelastic import _values as values
+    from aioelastic._core import _values as values
 
     # Text from the command line and typed values from the API parse to the same thing.
     assert values.port("0") == values.port(0) == 0
@@ -541,9 +541,9 @@ def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
 def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import asyncio
 
-    from aioelastic import _values as values
     from aioelastic import elastic_launch
-    from aioelastic._config import AgentConfig
+    from aioelastic._core import _values as values
+    from aioelastic._elastic._config import AgentConfig
 
     builds: list[dict[str, Any]] = []
     shutdown_reads: list[object] = []

@@ -20,14 +20,14 @@ from typing import Any, NoReturn
 
 import pytest
 
-from aioelastic._errors import (
+from aioelastic._core._errors import (
     ChildFailedError,
     ProcessFailure,
     read_error_file,
     record,
     write_error_file,
 )
-from aioelastic._results import RunProcsResult
+from aioelastic._core._results import RunProcsResult
 from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
 
 CHILD = [sys.executable, "-m", "tests.children.errors"]
@@ -664,7 +664,7 @@ def test_run_procs_result() -> None:
 
 def test_importing_errors_does_not_import_torch() -> None:
     code = (
-        "import sys, aioelastic._errors, aioelastic._results, aioelastic._std; "
+        "import sys, aioelastic._core._errors, aioelastic._core._results, aioelastic._core._std; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     proc = subprocess.run(
@@ -938,7 +938,7 @@ def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
 
 
 def test_a_truncated_return_value_says_how_much_arrived() -> None:
-    from aioelastic._result_pipe import ResultReceiver
+    from aioelastic._core._result_pipe import ResultReceiver
 
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     receiver = ResultReceiver(read_end)

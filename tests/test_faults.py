@@ -465,8 +465,8 @@ async def test_wait_that_loses_the_race_against_close_says_stopped(tmp_path: Pat
 async def test_teardown_is_bounded_when_an_exit_is_never_reported(tmp_path: Path) -> None:
     import os
 
-    from aioelastic._forkserver import fork_server
-    from aioelastic._teardown import CHILDREN_KILL_TIMEOUT
+    from aioelastic._core._forkserver import fork_server
+    from aioelastic._core._teardown import CHILDREN_KILL_TIMEOUT
 
     # A private fork server (its own preload list), stopped with SIGSTOP: the workers die
     # of SIGKILL, but the server that must report their exits never does.

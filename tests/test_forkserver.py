@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._forkserver import ForkServerError, fork_server
+from aioelastic._core._forkserver import ForkServerError, fork_server
 from tests.children import core
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 

@@ -26,8 +26,8 @@ import anyio
 import pytest
 
 from aioelastic import ChildFailedError, Std, run_processes, start_processes
-from aioelastic._frames import Framer, Live
-from aioelastic._logs import StreamPump
+from aioelastic._core._frames import Framer, Live
+from aioelastic._core._logs import StreamPump
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line
 

@@ -17,8 +17,14 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioelastic import LocalElasticAgent, WorkerSpec, WorkerState, free_port
-from aioelastic._http import serve_http
-from aioelastic._metrics import Liveness, Metrics, health_port_from_env, observed, open_listener
+from aioelastic._elastic._http import serve_http
+from aioelastic._elastic._metrics import (
+    Liveness,
+    Metrics,
+    health_port_from_env,
+    observed,
+    open_listener,
+)
 from tests.children import hangs
 from tests.waits import ReadyFifo
 

@@ -12,7 +12,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._output import HISTORY_BYTES, OutputHub, OutputItem, StreamOutput
+from aioelastic._core._output import HISTORY_BYTES, OutputHub, OutputItem, StreamOutput
 
 
 def _lines(out: StreamOutput, count: int, start: int = 0) -> None:

@@ -13,9 +13,9 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic import _log_root as log_root
-from aioelastic import _platform
-from aioelastic._forkserver import fork_server
+from aioelastic._core import _log_root as log_root
+from aioelastic._core import _platform
+from aioelastic._core._forkserver import fork_server
 from tests.children import core
 from tests.waits import ReadyFifo, is_running
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._spawn import (
+from aioelastic._compat._spawn import (
     ProcessException,
     ProcessExitedException,
     ProcessRaisedException,
@@ -108,7 +108,7 @@ def test_exceptions_pickle_with_torch_shapes() -> None:
 @pytest.mark.asyncio
 async def test_torch_gloo_all_reduce_on_four_workers() -> None:
     pytest.importorskip("torch")
-    from aioelastic._launch import free_port
+    from aioelastic._compat._launch import free_port
 
     world_size = 4
     values = await spawn(

@@ -16,8 +16,8 @@ import anyio.abc
 import pytest
 
 import aioelastic
-from aioelastic._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
-from aioelastic._stacks import StackChannel, StackChannels, _still_dumping
+from aioelastic._core._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
+from aioelastic._core._stacks import StackChannel, StackChannels, _still_dumping
 from tests.children import hangs
 from tests.waits import ReadyFifo, is_running, started_in_own_session
 
@@ -144,7 +144,7 @@ async def test_hook_removes_its_variable_and_ignores_a_regular_file(tmp_path: Pa
     bogus.write_text("")
     code = (
         "import os, signal, faulthandler\n"
-        "from aioelastic._stack_hook import install_from_env, STACKS_FIFO_ENV\n"
+        "from aioelastic._core._stack_hook import install_from_env, STACKS_FIFO_ENV\n"
         "print(install_from_env(), STACKS_FIFO_ENV in os.environ)\n"
     )
     out = subprocess.run(

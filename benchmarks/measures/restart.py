@@ -55,7 +55,7 @@ def _common(ctx: RepContext) -> dict[str, object]:
 
 async def aio_agent(ctx: RepContext) -> dict[str, float]:
     """aioelastic's ``elastic_launch`` (its LocalElasticAgent)."""
-    launch = aio("aioelastic._elastic_launch")
+    launch = aio("aioelastic._elastic._elastic_launch")
     from benchmarks import _fn_torch
 
     # Our fork server imports only what it is asked to: torch's wrapper module is not ours.

@@ -43,8 +43,8 @@ def _preload(ctx: RepContext, full: tuple[str, ...]) -> tuple[str, ...]:
 
 def _stop_our_fork_server(preload: tuple[str, ...]) -> None:
     # Cold: the next start pays for the server's interpreter and its imports again.
-    from aioelastic import _forkserver
-    from aioelastic._runtime import runtime
+    from aioelastic._core import _forkserver
+    from aioelastic._core._runtime import runtime
 
     _forkserver.fork_server(preload).close()
     runtime.fork_servers.pop(preload, None)

@@ -169,9 +169,9 @@ def _event_json(event: Any) -> str:
 async def _run_agent(opts: argparse.Namespace) -> int:
     import anyio
 
-    from aioelastic._elastic_launch import LaunchConfig, elastic_launch
-    from aioelastic._errors import ChildFailedError
-    from aioelastic._signals import SignalReceived
+    from aioelastic._core._errors import ChildFailedError
+    from aioelastic._core._signals import SignalReceived
+    from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch
 
     min_nodes, _, max_nodes = opts.nnodes.partition(":")
     conf: dict[str, Any] = {

@@ -144,7 +144,7 @@ def console_after_fork() -> None:
     """Print through aioelastic's console in a worker forked from a supervisor."""
     import anyio
 
-    from aioelastic._console import console
+    from aioelastic._core._console import console
 
     async def main() -> None:
         console("stdout").put(b"queued after the fork\n")
@@ -181,7 +181,8 @@ def _report(text: str) -> None:
 async def _supervise(config: dict[str, Any]) -> dict[str, Any]:
     import anyio
 
-    from aioelastic import ChildFailedError, Std, _console, start_processes
+    from aioelastic import ChildFailedError, Std, start_processes
+    from aioelastic._core import _console
 
     if "high_water" in config:
         _console.HIGH_WATER = int(config["high_water"])

@@ -18,13 +18,13 @@ import threading
 
 import anyio
 
-from aioelastic import _forkserver
-from aioelastic._console import console
-from aioelastic._exit_watch import _waiter_limiter
-from aioelastic._launchers import _launcher_pool, on_launcher_thread
-from aioelastic._runtime import Runtime, runtime
-from aioelastic._subreaper import enable_subreaper, subreaper_enabled
-from aioelastic._watchdog import watchdog
+from aioelastic._core import _forkserver
+from aioelastic._core._console import console
+from aioelastic._core._exit_watch import _waiter_limiter
+from aioelastic._core._launchers import _launcher_pool, on_launcher_thread
+from aioelastic._core._runtime import Runtime, runtime
+from aioelastic._core._subreaper import enable_subreaper, subreaper_enabled
+from aioelastic._core._watchdog import watchdog
 
 #: How long the child gives the launcher threads and the console to answer.
 CHILD_TIMEOUT = 20.0

@@ -153,7 +153,7 @@ def _custom_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 async def _launch_until_signal(directory: str, stubborn: bool, grace: float) -> int:
-    from aioelastic._launch import MainProcessError, launch
+    from aioelastic._compat._launch import MainProcessError, launch
 
     sigint_in_loop = signal.getsignal(signal.SIGINT)  # asyncio.Runner's own handler
     status = 0

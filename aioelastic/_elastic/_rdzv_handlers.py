@@ -3,7 +3,7 @@
 The agent never speaks a rendezvous protocol of its own. Handlers come from torch's
 registry (``torch.distributed.elastic.rendezvous.registry``): ``static`` (a TCPStore
 hosted by node rank 0) and ``c10d`` (torch's dynamic rendezvous over a TCPStore, ``min:max``
-nodes), or any handler a user registered there. `aioelastic._rdzv_node` drives them.
+nodes), or any handler a user registered there. `aioelastic._elastic._rdzv_node` drives them.
 
 torch is imported only when a handler is created.
 """

@@ -1,8 +1,8 @@
 """One node's side of a rendezvous: join a round, agree on worker ranks, the exit barrier.
 
 `NodeRendezvous` is what the agent needs; two kinds provide it. `Rendezvous` is the
-awaitable face of a torch handler (`aioelastic._rdzv_handlers`): each call runs on the
-handler's own daemon thread (`aioelastic._rdzv_thread`), so awaiting it can always be
+awaitable face of a torch handler (`aioelastic._elastic._rdzv_handlers`): each call runs on the
+handler's own daemon thread (`aioelastic._elastic._rdzv_thread`), so awaiting it can always be
 cancelled at once. A cancelled join still finishes on its thread, and this node stays in
 torch's round state until its keep-alive expires, exactly as if the agent had crashed,
 which torch's protocol already handles for its peers. `LocalRendezvous` is one node

@@ -856,7 +856,9 @@ def _plain(pump: dict[str, Any]) -> bool:
 
 def _runs_stack_hook(args: tuple[Any, ...]) -> bool:
     """Whether a binary's arguments run a script through the stack hook (docs/hangs.md)."""
-    return any(a == "-m" and b == "aioelastic._stack_hook" for a, b in itertools.pairwise(args))
+    return any(
+        a == "-m" and b == "aioelastic._core._stack_hook" for a, b in itertools.pairwise(args)
+    )
 
 
 async def _feed_payload(fd: int, payload: bytes) -> None:

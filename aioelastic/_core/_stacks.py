@@ -195,7 +195,7 @@ def _without_hook_frames(dump: str) -> str:
     frame and everything after it are the wrapper around the user's script, not the
     user's code.
     """
-    marker = f"{os.sep}aioelastic{os.sep}_stack_hook.py"
+    marker = os.sep + os.path.join(os.path.basename(os.path.dirname(__file__)), "_stack_hook.py")
     kept: list[str] = []
     skipping = False
     for line in dump.splitlines(keepends=True):

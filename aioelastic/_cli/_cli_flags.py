@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import _values as values
-from ._std import Std
-from ._values import cli_type
+from .._core import _values as values
+from .._core._std import Std
+from .._core._values import cli_type
 
 __all__ = ["ENV_PREFIX", "FLAGS", "TORCH_PREFIX_ENV", "Flag", "flag_for"]
 

@@ -2,7 +2,7 @@
 
 The worker side of ``aioelastic-run --preload`` (a fork of a warm fork server calls a
 `ScriptRun`) and of every script worker started fresh (``python -m
-aioelastic._stack_hook script.py``, see :mod:`._stack_hook`). `run_as_main` makes the
+aioelastic._core._stack_hook script.py``, see :mod:`._stack_hook`). `run_as_main` makes the
 process look like a fresh interpreter that was started on the script —
 ``__name__ == "__main__"``, ``__file__`` absolute, ``__spec__`` None (or the module's spec
 with ``-m``), ``sys.argv``, ``sys.path[0]`` the script's directory (the current directory

@@ -395,7 +395,7 @@ class ForkServer:
             # thread that creates it, and launcher threads live as long as we do.
             popen = await on_launcher_thread(
                 start_python,
-                f"from aioelastic._forkserver import main; main({theirs.fileno()}, {os.getpid()})",
+                f"from {__name__} import main; main({theirs.fileno()}, {os.getpid()})",
                 dict(os.environ),
                 None,
                 None,

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from . import _values as values
+from .._core import _values as values
+from .._core._std import Std, to_map
 from ._metrics import health_port_from_env
-from ._std import Std, to_map
 
 __all__ = ["AgentConfig", "SIGNALS_ENV"]
 

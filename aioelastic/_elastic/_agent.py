@@ -41,7 +41,15 @@ from typing import Any
 
 import anyio
 
-from . import _log_root as log_root
+from .._core import _log_root as log_root
+from .._core._backend import require_asyncio
+from .._core._errors import ProcessFailure
+from .._core._hangs import stack_requests
+from .._core._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
+from .._core._pcontext import PContext, start_processes
+from .._core._results import RunProcsResult
+from .._core._signals import SignalReceived, SignalScope, handle_signals
+from .._core._std import Std
 from ._agent_env import worker_env
 from ._agent_types import (
     DEFAULT_ROLE,
@@ -53,9 +61,7 @@ from ._agent_types import (
     substitute_local_rank,
 )
 from ._agent_watch import MembershipChange, watch_attempt
-from ._backend import require_asyncio
 from ._config import AgentConfig
-from ._errors import ProcessFailure
 from ._event_hub import EventHub
 from ._events import (
     AgentEvent,
@@ -70,14 +76,8 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
-from ._hangs import stack_requests
 from ._metrics import observed
-from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
-from ._pcontext import PContext, start_processes
 from ._rdzv_node import LocalRendezvous, NodeRendezvous, Rendezvous
-from ._results import RunProcsResult
-from ._signals import SignalReceived, SignalScope, handle_signals
-from ._std import Std
 
 __all__ = ["LocalElasticAgent"]
 
@@ -207,7 +207,7 @@ class LocalElasticAgent:
         return self._group
 
     def events(self) -> EventStream:
-        """Subscribe to this agent's lifecycle events (see `aioelastic._events`).
+        """Subscribe to this agent's lifecycle events (see `aioelastic._elastic._events`).
 
         Call it before ``run()`` to see every event; the iteration ends after the run's
         last event. Each call makes an independent subscriber.
@@ -328,7 +328,7 @@ class LocalElasticAgent:
         self._log_root = root
 
     def _drop_empty_temporary_logs(self) -> None:
-        """Remove a temporary log root that received no file (see `aioelastic._log_root`)."""
+        """Remove a temporary log root that received no file (see `aioelastic._core._log_root`)."""
         if self._config.log_dir is None and self._log_root is not None:
             log_root.remove_if_empty(self._log_root, f"agent {self._spec.role!r}")
 

@@ -20,11 +20,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _values as values
-from ._agent_types import RestartBackoff
+from .._core import _values as values
+from .._core._std import Std, to_map
+from .._elastic._agent_types import RestartBackoff
+from .._elastic._elastic_launch import LaunchConfig
 from ._cli_flags import FLAGS, flag_for
-from ._elastic_launch import LaunchConfig
-from ._std import Std, to_map
 
 __all__ = ["CommandLine", "config_from_args", "resolve_nproc_per_node"]
 
@@ -72,18 +72,18 @@ class CommandLine:
     def target(self) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
         """The entrypoint and arguments for ``elastic_launch(config, entrypoint)(*args)``."""
         if self.preload:
-            from ._script import ScriptRun
+            from .._core._script import ScriptRun
 
             return ScriptRun(self.entrypoint, self.module), self.args
         if self.run_path:
-            from ._script import run_script_path
+            from .._core._script import run_script_path
 
             return run_script_path, (self.entrypoint, *self.args)
         if self.entrypoint == sys.executable and self.args[:1] == ("-u",):
             # Our own interpreter: run the script through the stack hook (docs/hangs.md),
             # which registers the handler answering stack requests, then runs it as
             # `python -u` would. Another interpreter (PYTHON_EXEC) may lack aioelastic.
-            return self.entrypoint, ("-u", "-m", "aioelastic._stack_hook", *self.args[1:])
+            return self.entrypoint, ("-u", "-m", "aioelastic._core._stack_hook", *self.args[1:])
         return self.entrypoint, self.args
 
 

@@ -25,18 +25,18 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from . import _values as values
+from .._core import _values as values
+from .._core._backend import require_asyncio
+from .._core._errors import ChildFailedError
+from .._core._signals import SignalReceived
+from .._core._std import Std
 from ._agent import LocalElasticAgent
 from ._agent_types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec
-from ._backend import require_asyncio
 from ._config import AgentConfig
-from ._errors import ChildFailedError
 from ._event_hub import EventHub
 from ._events import EventStream
 from ._rdzv_handlers import create_rdzv_handler
 from ._rdzv_node import Rendezvous
-from ._signals import SignalReceived
-from ._std import Std
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -323,7 +323,7 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
         if entrypoint == sys.executable:
             # The stack hook's wrapper (see run.py) is not the user's script.
             names = [str(a) for a in args if not str(a).startswith("-")]
-            names = [n for n in names if n != "aioelastic._stack_hook"]
+            names = [n for n in names if n != "aioelastic._core._stack_hook"]
             return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", repr(entrypoint)))

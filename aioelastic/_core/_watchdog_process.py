@@ -1,7 +1,7 @@
 """The watchdog process itself: run as a script, ``python -I -S _watchdog_process.py``.
 
 It imports only the standard library (a small interpreter, started in milliseconds) and
-never this package. See :mod:`aioelastic._watchdog` for what it is for; this file is the
+never this package. See :mod:`aioelastic._core._watchdog` for what it is for; this file is the
 other end of its socket.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):

@@ -24,11 +24,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from . import _values as values
-from ._backend import require_asyncio
-from ._errors import ChildFailedError
-from ._pcontext import start_processes
-from ._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
+from .._core import _values as values
+from .._core._backend import require_asyncio
+from .._core._errors import ChildFailedError
+from .._core._pcontext import start_processes
+from .._core._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
 
 __all__ = ["MainProcessError", "WorkerError", "free_port", "launch"]
 

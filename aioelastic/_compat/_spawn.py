@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _values as values
-from ._errors import ChildFailedError, ProcessFailure, _exit_description, _traceback_text
-from ._pcontext import run_processes
+from .._core import _values as values
+from .._core._errors import ChildFailedError, ProcessFailure, _exit_description, _traceback_text
+from .._core._pcontext import run_processes
 
 __all__ = [
     "ProcessException",

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from ._pcontext import PContext
+from .._core._pcontext import PContext
+from .._core._results import RunProcsResult
 from ._rdzv_node import NodeRendezvous
-from ._results import RunProcsResult
 
 __all__ = ["MembershipChange", "watch_attempt"]
 

@@ -4,20 +4,20 @@ Most state belongs to one run (a process context, an agent). A few things belong
 *process*: every run in it shares them, and each is created on first use (creating the
 :class:`Runtime` does no I/O and starts nothing). They all live on :data:`runtime`:
 
-* the launcher threads that create workers (:mod:`aioelastic._launchers`);
-* the warm fork servers, one per preload list (:mod:`aioelastic._forkserver`);
-* the console writers and their per-file locks (:mod:`aioelastic._console`);
+* the launcher threads that create workers (:mod:`aioelastic._core._launchers`);
+* the warm fork servers, one per preload list (:mod:`aioelastic._core._forkserver`);
+* the console writers and their per-file locks (:mod:`aioelastic._core._console`);
 * the limiter of the ``waitid`` threads of the exit-watch fallback
-  (:mod:`aioelastic._exit_watch`);
+  (:mod:`aioelastic._core._exit_watch`);
 * the subreaper flag and the children aioelastic started itself
-  (:mod:`aioelastic._subreaper`);
-* whether a worker's terminal is being fed our stdin (:mod:`aioelastic._terminal`);
-* whether stale temporary log roots were swept (:mod:`aioelastic._log_root`).
+  (:mod:`aioelastic._core._subreaper`);
+* whether a worker's terminal is being fed our stdin (:mod:`aioelastic._core._terminal`);
+* whether stale temporary log roots were swept (:mod:`aioelastic._core._log_root`).
 
-The watchdog (:mod:`aioelastic._watchdog`) is one object for the process's lifetime,
+The watchdog (:mod:`aioelastic._core._watchdog`) is one object for the process's lifetime,
 imported by name where it is used, so it keeps its state itself and registers what its
 copy in a forked child must forget with :func:`forget_in_child`. What
-:mod:`aioelastic._platform` caches (pidfd support, the resolved ``prctl``) describes the
+:mod:`aioelastic._core._platform` caches (pidfd support, the resolved ``prctl``) describes the
 kernel and the C library, which a forked child shares, so it is not state of this kind.
 
 Fork: a process forked from a supervisor (a "fork" worker that supervises workers of its
@@ -60,7 +60,7 @@ class Runtime:
     def _fresh(self) -> None:
         #: Guards the creation of the lazily made objects below.
         self.lock = threading.Lock()
-        #: Launcher threads: they never retire, see :mod:`aioelastic._launchers`.
+        #: Launcher threads: they never retire, see :mod:`aioelastic._core._launchers`.
         self.launcher_pool: ThreadPoolExecutor | None = None
         # The values of the next two are typed by their owners' accessors
         # (`_forkserver.servers`, `_console.consoles`): the owners import this module, so

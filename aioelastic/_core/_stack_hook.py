@@ -13,9 +13,9 @@ curses/rich); torch installs nothing for it; and job schedulers and checkpointin
 forward ``SIGUSR1``/``SIGUSR2``/``SIGTERM``, never it.
 
 Function workers call :func:`install_from_env` in their bootstrap. Scripts we did not
-write are started as ``python -m aioelastic._stack_hook script.py args...`` (see
+write are started as ``python -m aioelastic._core._stack_hook script.py args...`` (see
 :func:`script_argv`): :func:`main` installs the handler, then runs the script through
-:func:`aioelastic._script.run_as_main`, the way ``python script.py`` would (``sys.argv``,
+:func:`aioelastic._core._script.run_as_main`, the way ``python script.py`` would (``sys.argv``,
 ``sys.path[0]``, ``__main__``, tracebacks, exit status). Both import nothing beyond the
 stdlib: they run before user code.
 """
@@ -62,14 +62,16 @@ def install_from_env() -> bool:
 def script_argv(python: str, script: str, args: list[str], *, module: bool = False) -> list[str]:
     """The command that runs ``script`` (or ``-m module``) with the handler installed."""
     target = ["-m", script] if module else [script]
-    return [python, "-u", "-m", "aioelastic._stack_hook", *target, *args]
+    return [python, "-u", "-m", "aioelastic._core._stack_hook", *target, *args]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Install the handler, then run a script or module as ``python`` would."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0] == "-m" and len(args) < 2):
-        raise SystemExit("usage: python -m aioelastic._stack_hook (SCRIPT | -m MODULE) [ARGS]")
+        raise SystemExit(
+            "usage: python -m aioelastic._core._stack_hook (SCRIPT | -m MODULE) [ARGS]"
+        )
     install_from_env()
     # The one way a script is run as __main__ (also under --preload): the same
     # sys.argv, sys.path[0], __main__, traceback and exit status as python's own.

@@ -12,7 +12,7 @@ Why not ``anyio.to_thread.run_sync`` with a :class:`anyio.CapacityLimiter` of 8:
 would bound the number of threads, but anyio's worker threads belong to one event loop.
 Besides retiring after 10 s idle, they are stopped when that loop's main task ends, so a
 host that calls ``asyncio.run`` twice would see the first run's forked workers die with
-the first loop. The executor lives on the process :mod:`~aioelastic._runtime` instead,
+the first loop. The executor lives on the process :mod:`~aioelastic._core._runtime` instead,
 shared by every loop, and a forked child that supervises workers builds its own.
 """
 
@@ -123,7 +123,7 @@ def start_binary(
 ) -> Launched:
     """Start ``argv`` (no shell) in a new process group that dies with this process.
 
-    The watchdog process starts it (see :mod:`aioelastic._watchdog`): no ``fork()`` of
+    The watchdog process starts it (see :mod:`aioelastic._core._watchdog`): no ``fork()`` of
     this possibly large process, and the parent-death guarantee without a ``preexec_fn``.
     """
     # ``None`` means our *current* stdout, not the one the watchdog had when it started.
@@ -197,9 +197,9 @@ def start_spawn(
     payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
     try:
         popen = start_python(
-            "from aioelastic._platform import default_signal_state; "
+            "from aioelastic._core._platform import default_signal_state; "
             "default_signal_state(python=True); "
-            "from aioelastic._bootstrap import spawn_main; "
+            "from aioelastic._core._bootstrap import spawn_main; "
             f"spawn_main({payload_r}, {result_fd}, {os.getpid()})",
             env,
             stdout_fd,

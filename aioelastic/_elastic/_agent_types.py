@@ -3,7 +3,7 @@
 torch's public types of ``torch.distributed.elastic.agent.server`` under the same names and
 contracts: `WorkerSpec` (what to run and how to recover, plus `RestartBackoff`), `Worker`
 and `WorkerGroup` (this node's workers and their ranks), `WorkerState`, `RunResult`. They
-hold data and check it on construction; `aioelastic._agent` runs them.
+hold data and check it on construction; `aioelastic._elastic._agent` runs them.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import _values as values
-from ._errors import ProcessFailure
+from .._core import _values as values
+from .._core._errors import ProcessFailure
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler

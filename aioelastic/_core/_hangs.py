@@ -53,7 +53,7 @@ class HangConfig:
     stack_timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:
-        # The parser every entry point uses for a duration (aioelastic._values).
+        # The parser every entry point uses for a duration (aioelastic._core._values).
         if self.stall_timeout is not None:
             values.field("stall_timeout", values.positive_duration, self.stall_timeout)
         values.field("stack_timeout", values.positive_duration, self.stack_timeout)

@@ -1,0 +1,147 @@
+"""The package's folders are its layers, and imports only go down.
+
+``aioelastic/_core`` (one group of worker processes: platform, launchers, exit watch,
+bootstrap, logs, teardown, the group context) is the bottom layer; ``_compat``
+(torch.multiprocessing-style ``spawn``/``launch``) builds on it; ``_elastic`` (the agent,
+rendezvous, events, the launch API) on both; ``_cli`` (the command line's flags, parser and
+plan) on all three; the public modules (``aioelastic``, ``aioelastic.run``,
+``aioelastic.timer``) sit on top. Every import counts, including the ones inside
+functions and under ``TYPE_CHECKING``: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(60)
+
+PACKAGE = Path(__file__).resolve().parent.parent / "aioelastic"
+LAYERS = {"_core": 0, "_compat": 1, "_elastic": 2, "_cli": 3}
+TOP = len(LAYERS)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], TOP) if len(parts) > 1 else TOP
+
+
+def _imports(module: str) -> set[str]:
+    """Every aioelastic module that ``module`` imports, anywhere in its source."""
+    path = MODULES[module]
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            names = [f"{source}.{alias.name}" for alias in node.names] + [source]
+        else:
+            continue
+        for name in names:
+            # `from pkg import name` names a module or an attribute of pkg: keep the longest
+            # prefix that is a module.
+            parts = name.split(".")
+            while parts and ".".join(parts) not in MODULES:
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                found.add(".".join(parts))
+    return found
+
+
+GRAPH = {module: _imports(module) for module in MODULES}
+
+
+def test_every_module_is_in_a_layer() -> None:
+    top = sorted(m for m in MODULES if _layer(m) == TOP)
+    assert top == ["aioelastic", "aioelastic.run", "aioelastic.timer"]
+
+
+def test_imports_only_go_down_the_layers() -> None:
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        for target in targets
+        if _layer(target) > _layer(module)
+    )
+    assert upward == []
+
+
+def test_the_core_needs_no_other_layer() -> None:
+    core = [m for m in MODULES if _layer(m) == LAYERS["_core"]]
+    outside = sorted(
+        f"{m} imports {t}" for m in core for t in GRAPH[m] if _layer(t) != LAYERS["_core"]
+    )
+    assert outside == []
+
+
+def test_no_import_cycle() -> None:
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            # A package's __init__ is imported before any of its modules: that is order,
+            # not a dependency loop, so an edge into a parent package is not followed.
+            if module.startswith(target + "."):
+                continue
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(MODULES):
+        if module not in state:
+            visit(module)
+    assert cycles == []
+
+
+def test_layer_packages_import_nothing_when_imported() -> None:
+    # A worker imports aioelastic._core._bootstrap, and with it every package on the way:
+    # those __init__ files must stay empty of imports so that a worker pays for nothing else.
+    for layer in LAYERS:
+        tree = ast.parse((PACKAGE / layer / "__init__.py").read_text())
+        assert not [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)], layer
+
+
+def test_error_types_unpickle_from_their_old_module_paths() -> None:
+    # A pickle names a class by module path; these are the paths an earlier version wrote.
+    import pickle
+
+    import aioelastic
+    from aioelastic._compat._old_paths import OLD_PATHS
+
+    assert pickle.loads(b"caioelastic._errors\nChildFailedError\n.") is aioelastic.ChildFailedError
+    assert pickle.loads(b"caioelastic._spawn\nProcessRaisedException\n.") is (
+        aioelastic.ProcessRaisedException
+    )
+    old = pickle.dumps(aioelastic.SignalReceived(15), protocol=0).replace(
+        b"aioelastic._core._signals", b"aioelastic._signals"
+    )
+    assert b"aioelastic._signals" in old
+    assert isinstance(pickle.loads(old), aioelastic.SignalReceived)
+    for old_path, new_path in OLD_PATHS.items():
+        assert importlib.import_module(old_path) is importlib.import_module(new_path)
