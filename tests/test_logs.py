@@ -810,6 +810,15 @@ def test_framer_cuts_lines_and_frames(
     assert framer.tail_lines() == tail
 
 
+def test_a_bars_first_carriage_return_read_alone_leads_the_next_piece() -> None:
+    # The worker writes "\rprogress   0%"; a busy reader may take it before the next
+    # write, and then its \r is a block of its own. Printed alone, that \r would be a
+    # console piece without our prefix, and another rank's piece could follow it.
+    framer = Framer(b"[w1]:", console=True, keep_tail=True)
+    pieces = [framer.feed(b"\rprogress   0%"), framer.feed(b"\rprogress  25%"), framer.end()]
+    assert pieces == [b"", b"\r[w1]:progress   0%\r", b"[w1]:progress  25%\n"]
+
+
 def test_live_frames_are_shown_as_they_arrive() -> None:
     framer = Framer(b"", console=True, keep_tail=True, live=Live.FRAMES)
     assert framer.feed(b"\r 10%|#") == b"\r 10%|#\r"

@@ -71,6 +71,8 @@ class Framer:
         self._live = live
         #: What is shown of ``_partial`` was shown raw (plain text), not as a frame.
         self._shown_raw = False
+        #: A redrawing \r arrived alone at the start of a line: the next piece starts with it.
+        self._leading_cr = False
         self._partial = bytearray()
         #: Bytes of ``_partial`` already on the console as a frame (closed by our ``\r``).
         self._shown = 0
@@ -159,6 +161,12 @@ class Framer:
         self._redrawn = block[-1] == _CR
         if not self._console:
             return b""
+        if self._prefix and not shown and not block.strip(b"\r"):
+            # A bar's first \r, at the start of a line and read without its text (the
+            # machine was busy): printed alone it would be a piece without our prefix,
+            # which another rank's piece could follow. It leads our next piece instead.
+            self._leading_cr = True
+            return b""
         if shown and shown_raw:
             return block[shown:]  # the text so far is on the console as written
         if shown:
@@ -233,7 +241,7 @@ class Framer:
         """``block`` (ending with ``\\n`` or ``\\r``) with the prefix at each column 0."""
         prefix = self._prefix
         if not prefix or not block:
-            return block
+            return self._lead(block)
         out = block.replace(b"\n", b"\n" + prefix)
         if b"\r" in block:
             # A progress bar returns to column 0 and would draw over the prefix. The
@@ -242,6 +250,14 @@ class Framer:
         out = out[: -len(prefix)]
         if block[0] != _CR or block[1:2] in (b"\r", b"\n"):
             out = prefix + out
+        return self._lead(out)
+
+    def _lead(self, out: bytes) -> bytes:
+        """``out``, after the lone ``\\r`` held back at the start of its line, if any."""
+        if self._leading_cr and out:
+            self._leading_cr = False
+            if out[:1] != b"\r":
+                return b"\r" + out
         return out
 
 
