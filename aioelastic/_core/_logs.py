@@ -61,6 +61,27 @@ class StreamPump:
             from now on (closes it in :meth:`finish`).
     """
 
+    # Two per worker, hundreds of workers: no per-instance dict.
+    __slots__ = (
+        "_console",
+        "_fd",
+        "_flush_at",
+        "_framer",
+        "_log_error",
+        "_log_fd",
+        "_log_path",
+        "_log_written",
+        "_loop",
+        "_output",
+        "_read_error",
+        "_reading",
+        "_room",
+        "_timer",
+        "closed",
+        "last_chunk",
+        "last_output",
+    )
+
     def __init__(
         self,
         fd: int,
