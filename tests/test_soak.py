@@ -645,9 +645,11 @@ async def _audit_processes(
     alive: dict[int, str] = {}
     zombies: dict[int, str] = {}
     for rank, pid in pids.items():
-        # Our own children are reaped by the time close() returns; a fork server reaps
-        # its workers when released, moments later.
-        state = await reaped(pid, 5.0) if rnd.method == "forkserver" else process_state(pid)
+        # Our own children are reaped by the time close() returns; a fork server, and
+        # the watchdog for the binary workers it spawned, reap theirs when released,
+        # moments later.
+        released = rnd.method in ("forkserver", "binary")
+        state = await reaped(pid, 5.0) if released else process_state(pid)
         if state == "Z":
             zombies[pid] = f"worker {rank}"
         elif state is not None:

@@ -76,7 +76,25 @@ class ConsoleStream:
 
     async def wait_for_room(self) -> None:
         """Wait while more than the high-water mark is queued."""
-        await self._wait_until(lambda: self._enqueued - self._written <= self._high_water)
+        await self._wait_until(self._has_room)
+
+    def room(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
+        """``None`` while at most the high-water mark is queued, else a future for room.
+
+        The callback form of :meth:`wait_for_room`, for log pumps that run as reader
+        callbacks rather than tasks. The future is resolved in ``loop`` once the queue is
+        back under the mark.
+        """
+        condition = self._has_room
+        with self._cond:
+            if condition():
+                return None
+            future: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((condition, loop, future))
+        return future
+
+    def _has_room(self) -> bool:
+        return self._enqueued - self._written <= self._high_water
 
     async def flush(self) -> None:
         """Wait until everything queued so far has been written."""

@@ -61,6 +61,20 @@ class Framer:
             empty for :attr:`Live.EVERYTHING`.
     """
 
+    # Two per worker, hundreds of workers: no per-instance dict.
+    __slots__ = (
+        "_console",
+        "_live",
+        "_partial",
+        "_prefix",
+        "_redrawn",
+        "_shown",
+        "_shown_raw",
+        "_tail",
+        "_tail_frame",
+        "keeps_tail",
+    )
+
     def __init__(
         self, prefix: bytes, *, console: bool, keep_tail: bool, live: Live = Live.OFF
     ) -> None:

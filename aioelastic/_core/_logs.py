@@ -1,8 +1,9 @@
 """One worker stream (stdout or stderr) from its pipe to its log file, console and tail.
 
-A :class:`StreamPump` is a task in the context's task group that sleeps on the event
-loop's readiness notification for the pipe while the worker is quiet (no thread, no
-polling period), and on each wake-up:
+A :class:`StreamPump` is no task at all: it is called back by the event loop when the
+pipe is readable (``loop.add_reader``), so a quiet worker costs neither a thread, nor a
+polling period, nor a task's memory (a few kB each, for hundreds of workers). On each
+call it:
 
 * appends the raw bytes to the log file, if the stream is redirected — every byte, in
   order, undecoded;
@@ -24,17 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import math
 import os
 import time
 from pathlib import Path
 
-import anyio
-
 from ._console import ConsoleStream
 from ._frames import Framer, Live
 from ._lazy_event import LazyEvent
 from ._output import StreamOutput
+
+logger = logging.getLogger("aioelastic")
 
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
 #: counted from its first byte: a bar that keeps growing is still shown this often.
@@ -58,6 +60,27 @@ class StreamPump:
         log_fd: ``log_path`` already opened with :func:`create_log`; the pump owns it
             from now on (closes it in :meth:`finish`).
     """
+
+    # Two per worker, hundreds of workers: no per-instance dict.
+    __slots__ = (
+        "_console",
+        "_fd",
+        "_flush_at",
+        "_framer",
+        "_log_error",
+        "_log_fd",
+        "_log_path",
+        "_log_written",
+        "_loop",
+        "_output",
+        "_read_error",
+        "_reading",
+        "_room",
+        "_timer",
+        "closed",
+        "last_chunk",
+        "last_output",
+    )
 
     def __init__(
         self,
@@ -83,7 +106,16 @@ class StreamPump:
         self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
         #: When the held partial line must be printed (``inf`` while none is held).
         self._flush_at = math.inf
-        self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]] | None = None
+        #: The loop calling us back while started (see :meth:`start`).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Whether the reader callback is registered for ``_fd`` now.
+        self._reading = False
+        #: The wake-up at ``_flush_at``, while a partial line is held.
+        self._timer: asyncio.TimerHandle | None = None
+        #: Resolved once the console has room again, while reading is paused for it.
+        self._room: asyncio.Future[None] | None = None
+        #: Why the pipe stopped being read before its end, if it did.
+        self._read_error: Exception | None = None
         #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
         self.closed = LazyEvent()
         #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
@@ -100,49 +132,84 @@ class StreamPump:
         if self._log_path is not None and self._log_fd is None:
             self._log_fd = create_log(self._log_path)
 
-    async def run(self) -> None:
-        """Pump until end-of-file (all writers — the worker and its children — are gone)."""
-        while self._fd is not None:
-            # No deadline at all while no partial line is held: an idle worker costs
-            # no wake-ups.
-            with anyio.CancelScope(deadline=self._flush_at) as idle:
-                await self._readable()
-            if idle.cancelled_caught:
-                # The rest of the line may be waiting in the pipe already (this task was
-                # late, the machine busy): take it before deciding the line is partial.
-                self.drain(_CHUNKS_PER_WAKEUP)
-                if anyio.current_time() >= self._flush_at:
-                    self._flush_at = math.inf
-                    self._put(self._framer.flush())
-            else:
-                self.drain(_CHUNKS_PER_WAKEUP)
-            if self._console is not None:
-                # Back-pressure: while the console is far behind, stop reading the pipe.
-                # The deadline of a held partial line still applies meanwhile, but its
-                # bytes simply join the queue, which is what is being waited on.
-                await self._console.wait_for_room()
+    def start(self) -> None:
+        """Start pumping, from callbacks of the running event loop (no task, no thread).
 
-    async def _readable(self) -> None:
-        """Wait until the pipe is readable, or closed by :meth:`finish` from another task.
-
-        Not ``anyio.wait_readable``: the exit path closes the pipe from another task
-        while this one may be waiting, and the registration must be removed *before* the
-        descriptor is closed — a stale one would be attached to whatever file reuses the
-        number next (another worker's pipe, a pidfd of teardown), whose waiter would then
-        never wake. anyio keeps its registrations per task, out of reach of other tasks.
+        Raises:
+            RuntimeError: Called outside the event loop's thread, or twice.
         """
-        assert self._fd is not None
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[None] = loop.create_future()
-        loop.add_reader(self._fd, _resolve, future)
-        self._waiter = (loop, future)
+        if self._loop is not None:
+            raise RuntimeError("StreamPump.start() was called twice; start a pump once")
+        self._loop = asyncio.get_running_loop()
+        self._resume()
+
+    async def run(self) -> None:
+        """Start pumping (see :meth:`start`) and wait until the pipe is closed."""
+        self.start()
+        await self.closed.wait()
+
+    def _resume(self) -> None:
+        assert self._loop is not None
+        self._room = None
+        if self._fd is None:
+            return
+        if not self._reading:
+            self._loop.add_reader(self._fd, self._step)
+            self._reading = True
+        # Bytes may have arrived while paused, and a held line may be due by now.
+        self._step()
+
+    def _step(self) -> None:
+        """One wake-up: the pipe is readable, or a held line's deadline came."""
+        loop = self._loop
+        assert loop is not None
+        if self._fd is None or self._room is not None:
+            return
         try:
-            await future
-        finally:
-            if self._waiter is not None:
-                self._waiter = None
-                if self._fd is not None:
-                    loop.remove_reader(self._fd)
+            self.drain(_CHUNKS_PER_WAKEUP)
+            # Checked after the drain: the rest of the line may have been waiting in the
+            # pipe already (this call was late, the machine busy).
+            if self._flush_at <= loop.time():
+                self._flush_at = math.inf
+                self._put(self._framer.flush())
+        except Exception as exc:
+            # In a task this would have failed the whole group; from a callback it would
+            # only reach the loop's exception handler while the worker blocks on a full
+            # pipe. The stream ends here instead, and the failure report says why.
+            logger.exception("aioelastic: reading a worker's output failed")
+            self._read_error = exc
+            self.finish()
+            return
+        if self.fileno() is None:  # the drain reached the end of the stream
+            return
+        timer = self._timer
+        if timer is not None and timer.when() != self._flush_at:
+            timer.cancel()
+            self._timer = timer = None
+        if timer is None and self._flush_at != math.inf:
+            self._timer = loop.call_at(self._flush_at, self._on_deadline)
+        if self._console is not None:
+            # Back-pressure: while the console is far behind, stop reading the pipe. A
+            # held partial line's bytes are then simply part of what is waited on.
+            room = self._console.room(loop)
+            if room is not None:
+                self._pause(room)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self._step()
+
+    def _pause(self, room: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        assert self._fd is not None
+        self._room = room
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        room.add_done_callback(lambda _: self._resume())
 
     def drain(self, max_chunks: int | None = None) -> None:
         """Consume what the pipe holds now, without waiting (the exit path calls this)."""
@@ -169,14 +236,17 @@ class StreamPump:
         self._put(self._framer.end())
         if self._output is not None:
             self._output.end()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._fd is not None:
-            if self._waiter is not None:
-                # The pump task is asleep on this pipe: unregister while the number
-                # still names this pipe, then wake the task (it sees the pipe closed).
-                loop, future = self._waiter
-                self._waiter = None
-                loop.remove_reader(self._fd)
-                _resolve(future)
+            if self._reading:
+                # Unregister while the number still names this pipe: a stale registration
+                # would be attached to whatever file reuses the number next (another
+                # worker's pipe, a pidfd of teardown), whose reader would never be called.
+                assert self._loop is not None
+                self._loop.remove_reader(self._fd)
+                self._reading = False
             os.close(self._fd)
             self._fd = None
             self.closed.set()
@@ -202,6 +272,8 @@ class StreamPump:
 
     def log_fault(self) -> str | None:
         """Why the log file is incomplete (``"... not written past byte N: ..."``), or ``None``."""
+        if self._read_error is not None:
+            return f"output not read to the end: {self._read_error!r}"
         if self._log_error is None:
             return None
         return f"log {self._log_path} not written past byte {self._log_written}: {self._log_error}"
@@ -229,7 +301,10 @@ class StreamPump:
         if not self._framer.holding:
             self._flush_at = math.inf
         elif self._flush_at == math.inf:
-            self._flush_at = anyio.current_time() + FLUSH_DELAY
+            # The loop's clock (anyio's on asyncio); asked of the loop directly because
+            # this runs in a reader callback, outside any task.
+            loop = self._loop or asyncio.get_running_loop()
+            self._flush_at = loop.time() + FLUSH_DELAY
 
     def _put(self, data: bytes) -> None:
         if data and self._console is not None:
@@ -243,8 +318,3 @@ def create_log(path: Path) -> int:
     group's log files are created off the event loop (see ``PContext``).
     """
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)
-
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)

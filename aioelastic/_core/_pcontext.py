@@ -391,8 +391,9 @@ class PContext:
             raise
         self._workers.append(worker)
         self._tg.start_soon(self._monitor, worker)
-        self._run_io(stdout_pump.run)
-        self._run_io(stderr_pump.run)
+        # Reader callbacks, not tasks: a task costs a few kB, two per worker.
+        stdout_pump.start()
+        stderr_pump.start()
         if stdio.uses_terminal:
             self._run_io(stdio.serve, launched.pid)
         if worker.result is not None:

@@ -94,28 +94,50 @@ def die_with_parent(expected_parent: int) -> None:
         os._exit(1)
 
 
+def _pids() -> list[int]:
+    """Every pid of this pid namespace, from ``/proc``.
+
+    Raises:
+        OSError: ``/proc`` cannot be listed (EMFILE: no fd left). Never an empty answer
+            then — "no process" would let teardown believe a group is empty.
+    """
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state letter, ppid, pgrp)`` of ``pid``, ``None`` once it is gone."""
+    # Raw os.open/os.read: a Python file object costs more than the read itself, and a
+    # scan reads one file per process of the machine.
+    try:
+        fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        stat = os.read(fd, 4096)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if not stat:
+        return None
+    # The command name may contain spaces and parentheses: fields start after the last
+    # ')'. Fields from there: state, ppid, pgrp.
+    state, ppid, pgrp, _ = stat[stat.rindex(b")") + 2 :].split(None, 3)
+    return state.decode(), int(ppid), int(pgrp)
+
+
 def _processes() -> Iterator[tuple[int, str, int, int]]:
     """``(pid, state letter, ppid, pgrp)`` of every process, in one pass over ``/proc``.
 
     A process that exits while being read is skipped.
 
     Raises:
-        OSError: ``/proc`` cannot be listed (EMFILE: no fd left). Never an empty answer
-            then — "no process" would let teardown believe a group is empty.
+        OSError: ``/proc`` cannot be listed (see :func:`_pids`).
     """
-    entries = os.listdir("/proc")
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name may contain spaces and parentheses: fields start after the
-        # last ')'. Fields from there: state, ppid, pgrp.
-        state, ppid, pgrp, _ = stat[stat.rindex(b")") + 2 :].split(None, 3)
-        yield int(entry), state.decode(), int(ppid), int(pgrp)
+    for pid in _pids():
+        info = _stat(pid)
+        if info is not None:
+            yield pid, *info
 
 
 def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
@@ -123,12 +145,32 @@ def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
 
     A group with no live member is absent from the result. Used only during teardown,
     to wait for and kill the children of workers.
+
+    Raises:
+        OSError: ``/proc`` cannot be listed (see :func:`_pids`).
     """
     members: dict[int, list[int]] = {}
     if not pgids:
         return members
-    for pid, state, _, pgrp in _processes():
-        if pgrp in pgids and state not in ("Z", "X"):
+    getpgid = os.getpgid
+    for pid in _pids():
+        # One getpgid() per process, not a read of its stat file: a tenth of the cost
+        # (no file to open, no text to format), and teardown scans every process of the
+        # machine. Only the few members found have their stat read, for their state.
+        try:
+            pgrp = getpgid(pid)
+        except ProcessLookupError:
+            continue
+        except OSError:
+            # A security module may refuse getpgid (EPERM); the stat file may still tell.
+            info = _stat(pid)
+            if info is None:
+                continue
+            pgrp = info[2]
+        if pgrp not in pgids:
+            continue
+        info = _stat(pid)
+        if info is not None and info[0] not in ("Z", "X"):
             members.setdefault(pgrp, []).append(pid)
     return members
 

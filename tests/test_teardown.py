@@ -1,0 +1,93 @@
+"""Teardown's search for what is left of a group: the shared scan and the members it finds."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import pytest
+
+import aioelastic
+from aioelastic._core import _platform
+from tests.children import core
+from tests.waits import ReadyFifo, is_running
+
+#: A group leader that forks a child which exits at once and is left a zombie (waited for
+#: with WNOWAIT, never reaped), forks a second child that keeps running, reports both
+#: pids, then blocks on stdin.
+_LEADER = """
+import os, sys, time
+dead = os.fork()
+if dead == 0:
+    os._exit(0)
+os.waitid(os.P_PID, dead, os.WEXITED | os.WNOWAIT)
+live = os.fork()
+if live == 0:
+    sys.stdin.read()
+    os._exit(0)
+print(dead, live, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_live_group_members_lists_running_members_and_skips_zombies() -> None:
+    leader = subprocess.Popen(
+        [sys.executable, "-c", _LEADER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        process_group=0,
+    )
+    try:
+        assert leader.stdout is not None
+        dead, live = (int(pid) for pid in leader.stdout.readline().split())
+        ours = os.getpgid(0)
+        members = _platform.live_group_members({leader.pid, ours})
+        assert sorted(members[leader.pid]) == sorted([leader.pid, live])
+        assert dead not in members[leader.pid]
+        # Our own group is asked for too: this test process is a running member of it.
+        assert os.getpid() in members[ours]
+        assert _platform.live_group_members(set()) == {}
+    finally:
+        assert leader.stdin is not None
+        leader.stdin.close()  # both blocked readers see end-of-file and exit
+        leader.wait(timeout=30)
+        assert leader.stdout is not None
+        leader.stdout.close()
+        # The leader's children were re-parented to init, which reaps them.
+
+
+@pytest.mark.asyncio
+async def test_groups_closed_together_each_lose_their_grandchildren(tmp_path: Path) -> None:
+    """Teardowns running at once share one scan; each still finds its own group's members."""
+    count = 4
+    fifos = [ReadyFifo(tmp_path, f"ready{k}") for k in range(count)]
+    grandchildren: list[int] = []
+    try:
+        async with AsyncExitStack() as stack:
+            contexts = []
+            for k, fifo in enumerate(fifos):
+                ctx = aioelastic.start_processes(
+                    f"g{k}", core.grandchild_then, {0: (str(fifo.path), 0, True)}, {0: {}}
+                )
+                contexts.append(await stack.enter_async_context(ctx))
+            for fifo, ctx in zip(fifos, contexts, strict=True):
+                (line,) = await fifo.lines(1)
+                grandchildren.append(int(line.split()[1]))
+                # The worker itself exits 0; its grandchild (which ignores SIGTERM, so
+                # only a SIGKILL after a scan that found it ends it) runs on in its group.
+                result = await ctx.wait()
+                assert result is not None
+                assert not result.is_failed()
+            assert all(is_running(pid) for pid in grandchildren)
+            async with anyio.create_task_group() as tg:
+                for ctx in contexts:
+                    tg.start_soon(ctx.close, signal.SIGTERM, 0.5)
+            assert not any(is_running(pid) for pid in grandchildren)
+    finally:
+        for fifo in fifos:
+            fifo.close()
