@@ -64,6 +64,7 @@ class Framer:
     # Two per worker, hundreds of workers: no per-instance dict.
     __slots__ = (
         "_console",
+        "_leading_cr",
         "_live",
         "_partial",
         "_prefix",
