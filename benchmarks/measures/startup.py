@@ -294,6 +294,9 @@ MEASURE = Measure(
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(1,),
             reps=_REPS,
+            # The "warm" rows are warm only after a warm-up repetition: without it --quick
+            # measured two cold servers and printed them as warm.
+            quick_warmup=True,
         ),
         Group(
             name="bin",
