@@ -268,3 +268,19 @@ async def test_calls_reach_the_worker_whole_in_the_request_and_through_a_pipe() 
     )
     assert not result.is_failed(), result.failures
     assert result.return_values == values
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_stopping_a_server_does_not_wait_for_its_preload_to_finalise() -> None:
+    preload = ("tests.children.forkserver_slow_exit",)
+    result = await add_on_server("slow-exit", preload, (1, 1))
+    assert result.return_values == {0: 2}
+    server = fork_server(preload).pid
+    assert server is not None
+    started = time.monotonic()
+    # Past the timeout stop() kills the server: returning well before it means the
+    # server exited by itself, without running its preload's exit handler.
+    fork_server(preload).stop(timeout=30)
+    assert time.monotonic() - started < 10
+    assert process_state(server) is None
