@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core._forkserver import ForkServerError, fork_server
+from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
 from tests.children import core
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 
@@ -213,9 +213,10 @@ async def test_a_server_at_its_open_file_limit_gives_a_clear_start_error() -> No
             with pytest.raises(ForkServerError) as caught:
                 await add_on_server("nofile", preload, (1, 1))
             assert time.monotonic() - start < 30
-            # How many fit depends on the fds the interpreter holds; never all five.
+            # How many fit depends on the fds the interpreter holds; never all four (the
+            # small call travels in the request, not in a fifth pipe).
             assert re.fullmatch(
-                r"the fork server received [0-4] of the 5 pipes of a worker: its open-file "
+                r"the fork server received [0-3] of the 4 pipes of a worker: its open-file "
                 r"limit \(`ulimit -n`, RLIMIT_NOFILE\) may be reached",
                 str(caught.value),
             )
@@ -249,3 +250,37 @@ async def test_a_preload_that_fails_is_imported_once_for_all_ranks(
     assert message.endswith("ImportError: this preload fails to import on purpose")
     assert len(imports.read_text().splitlines()) == 1
     assert fork_server(preload).pid is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_calls_reach_the_worker_whole_in_the_request_and_through_a_pipe() -> None:
+    # Around the size where the pickled call stops travelling inside the start request
+    # and goes through a pipe the supervisor feeds.
+    sizes = [10, INLINE_CALL_MAX - 200, INLINE_CALL_MAX + 1, 4 * INLINE_CALL_MAX]
+    values = {rank: os.urandom(size) for rank, size in enumerate(sizes)}
+    result = await aioelastic.run_processes(
+        "calls",
+        core.identity,
+        {rank: (value,) for rank, value in values.items()},
+        envs(len(sizes)),
+        start_method="forkserver",
+    )
+    assert not result.is_failed(), result.failures
+    assert result.return_values == values
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_stopping_a_server_does_not_wait_for_its_preload_to_finalise() -> None:
+    preload = ("tests.children.forkserver_slow_exit",)
+    result = await add_on_server("slow-exit", preload, (1, 1))
+    assert result.return_values == {0: 2}
+    server = fork_server(preload).pid
+    assert server is not None
+    started = time.monotonic()
+    # Past the timeout stop() kills the server: returning well before it means the
+    # server exited by itself, without running its preload's exit handler.
+    fork_server(preload).stop(timeout=30)
+    assert time.monotonic() - started < 10
+    assert process_state(server) is None

@@ -174,12 +174,14 @@ def forked_worker(
     result_fd: int,
     close_fds: Iterable[int],
     call: FunctionCall | None = None,
+    payload: bytes | None = None,
     payload_fd: int | None = None,
 ) -> NoReturn:
     """Body of a child made by ``fork()``; never returns.
 
     ``call`` is given directly for the fork start method (nothing is pickled, as with
-    ``multiprocessing``'s fork); a fork server passes ``payload_fd`` to read it from.
+    ``multiprocessing``'s fork); a fork server passes the pickled call as ``payload``
+    (received with the start request), or ``payload_fd`` to read a large one from.
     """
     code = 1
     try:
@@ -198,7 +200,9 @@ def forked_worker(
                 except OSError:
                     pass
         _redirect_stdio(stdout_fd, stderr_fd)
-        if call is None:
+        if call is None and payload is not None:
+            call = pickle.loads(payload)
+        elif call is None:
             assert payload_fd is not None
             with open(payload_fd, "rb") as f:
                 call = pickle.load(f)

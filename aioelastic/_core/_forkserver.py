@@ -8,10 +8,15 @@ guarantee as for our own children.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
-* client -> server ``S`` + fds [payload_r, stderr_w, result_w, status_w, stdout_w?]:
-  fork a worker; the server answers ``P<pid>``. The worker reads its pickled call from
-  ``payload_r``; the server keeps ``status_w`` and writes the exit status there when the
-  worker exits (so the supervisor waits on a pipe only it and the server hold).
+* client -> server ``C<pickled call>`` + fds [stderr_w, result_w, status_w, stdout_w]:
+  fork a worker; the server answers ``P<pid>``. The call travels in the message, so the
+  worker finds it in the memory it shares with the server at the fork and unpickles it
+  at once: no pipe, and no wait for the supervisor's event loop to write one. The server
+  keeps ``status_w`` and writes the exit status there when the worker exits (so the
+  supervisor waits on a pipe only it and the server hold).
+* client -> server ``S`` + fds [stderr_w, result_w, status_w, stdout_w, payload_r]: the
+  same for a call too large for one message; the worker reads it from ``payload_r``,
+  which the supervisor feeds.
 * client -> server ``R<pid>``: reap that worker now (no answer).
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
@@ -52,6 +57,9 @@ from ._runtime import forget_in_child, runtime
 logger = logging.getLogger("aioelastic.forkserver")
 
 _MAX_MSG = 1 << 16
+#: The largest pickled call sent inside a start request (the rest of ``_MAX_MSG`` is the
+#: request's kind); a larger one goes through a pipe.
+INLINE_CALL_MAX = _MAX_MSG - 1
 
 _PYTHON_IGNORES = (signal.SIGPIPE, signal.SIGXFSZ)
 """Signals a fresh interpreter ignores (CPython's startup); all others start at default."""
@@ -124,6 +132,10 @@ def main(control_fd: int, parent_pid: int) -> None:
         return
     sock.sendmsg([b"K"])
     _Server(sock).serve()
+    # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
+    # while the supervisor waits for us (stop(), its own exit) or starts a fresh server
+    # beside us. Nothing here needs flushing or releasing: the kernel closes the rest.
+    os._exit(0)
 
 
 @dataclass
@@ -153,30 +165,36 @@ class _Server:
 
     def _handle_request(self) -> bool:
         try:
-            msg, fds, _, _ = socket.recv_fds(self._sock, _MAX_MSG, 8)
+            msg, fds, flags, _ = socket.recv_fds(self._sock, _MAX_MSG, 8)
         except ConnectionResetError:
             return False
         if not msg:
             return False
-        if msg[:1] == b"S":
-            if len(fds) < 5:
+        kind = msg[:1]
+        if kind in (b"C", b"S"):
+            expected = 4 if kind == b"C" else 5
+            problem = None
+            if len(fds) < expected:
                 # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
+                problem = (
+                    f"the fork server received {len(fds)} of the {expected} pipes of a "
+                    "worker: its open-file limit (`ulimit -n`, RLIMIT_NOFILE) may be reached"
+                )
+            elif flags & socket.MSG_TRUNC:
+                problem = f"a start request exceeded the fork server's {_MAX_MSG} bytes"
+            if problem is not None:
                 for received in fds:
                     os.close(received)
-                _reply_error(
-                    self._sock,
-                    f"the fork server received {len(fds)} of the 5 pipes of a worker: its "
-                    "open-file limit (`ulimit -n`, RLIMIT_NOFILE) may be reached",
-                )
+                _reply_error(self._sock, problem)
                 return True
-            self._fork_worker(fds)
-        elif msg[:1] == b"R":
+            self._fork_worker(fds, msg[1:] if kind == b"C" else None)
+        elif kind == b"R":
             self._reap(int(msg[1:]))
         return True
 
-    def _fork_worker(self, fds: list[int]) -> None:
-        payload_r, stderr_w, result_w, status_w, *rest = fds
-        stdout_w = rest[0] if rest else None
+    def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
+        stderr_w, result_w, status_w, stdout_w, *rest = fds
+        payload_r = rest[0] if rest else None
         private = [self._sock.fileno(), self._selector.fileno()]
         for child in self._children.values():
             private.append(child.status_fd)
@@ -202,6 +220,7 @@ class _Server:
                     stderr_fd=stderr_w,
                     result_fd=result_w,
                     close_fds=private,
+                    payload=call,
                     payload_fd=payload_r,
                 )
             finally:
@@ -317,8 +336,14 @@ class ForkServer:
         """The server's pid, once started."""
         return self._pid
 
-    async def start_worker(self, stdout_fd: int | None, stderr_fd: int, result_fd: int) -> Launched:
+    async def start_worker(
+        self, stdout_fd: int | None, stderr_fd: int, result_fd: int, call: bytes
+    ) -> Launched:
         """Have the server fork a worker wired to these fds, starting the server if needed.
+
+        ``call`` is the pickled :class:`~._bootstrap.FunctionCall`. Up to
+        :data:`INLINE_CALL_MAX` bytes it travels with the request; a larger one is left
+        to the caller, who writes it to the returned ``payload_fd``.
 
         A server found dead (killed, crashed: its pid gone, or a broken pipe, a reset or
         end-of-file on its socket) is replaced, and the start retried once on the fresh
@@ -333,7 +358,7 @@ class ForkServer:
             sock = await self._running()
             try:
                 return await on_launcher_thread(
-                    self._request_worker, sock, stdout_fd, stderr_fd, result_fd
+                    self._request_worker, sock, stdout_fd, stderr_fd, result_fd, call
                 )
             except _ServerGone as gone:
                 pid = self._discard(sock)
@@ -432,19 +457,34 @@ class ForkServer:
         return ours, popen
 
     def _request_worker(
-        self, sock: socket.socket, stdout_fd: int | None, stderr_fd: int, result_fd: int
+        self,
+        sock: socket.socket,
+        stdout_fd: int | None,
+        stderr_fd: int,
+        result_fd: int,
+        call: bytes,
     ) -> Launched:
         """Blocking (a launcher thread): one start request and its answer."""
-        payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
         status_r, status_w = os.pipe2(os.O_CLOEXEC)
         # With no stdout_fd: *our* current stdout, not the one the server started with.
-        fds = [payload_r, stderr_fd, result_fd, status_w, 1 if stdout_fd is None else stdout_fd]
+        fds = [stderr_fd, result_fd, status_w, 1 if stdout_fd is None else stdout_fd]
+        message = b"C" + call
+        payload_r = payload_w = None
+        if len(call) > INLINE_CALL_MAX:
+            try:
+                payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
+            except BaseException:
+                os.close(status_r)
+                os.close(status_w)
+                raise
+            fds.append(payload_r)
+            message = b"S"
         try:
             with self._talk:
                 if sock is not self._sock:
                     raise _ServerGone("it was replaced")
                 try:
-                    socket.send_fds(sock, [b"S"], fds)
+                    socket.send_fds(sock, [message], fds)
                     answer = sock.recv(_MAX_MSG)
                 except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
                     raise _ServerGone(f"{type(e).__name__} on its socket") from e
@@ -455,14 +495,17 @@ class ForkServer:
                 if not answer:
                     raise _ServerGone("end-of-file on its socket")
         except BaseException:
-            os.close(payload_w)
+            if payload_w is not None:
+                os.close(payload_w)
             os.close(status_r)
             raise
         finally:
-            os.close(payload_r)
+            if payload_r is not None:
+                os.close(payload_r)
             os.close(status_w)
         if not answer.startswith(b"P"):
-            os.close(payload_w)
+            if payload_w is not None:
+                os.close(payload_w)
             os.close(status_r)
             raise ForkServerError(answer[1:].decode(errors="replace"))
         pid = int(answer[1:])

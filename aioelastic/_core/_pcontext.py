@@ -430,7 +430,8 @@ class PContext:
             return await _launchers.on_launcher_thread(
                 _launchers.start_spawn, env, out_w, err_w, res_w, stdin
             )
-        return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w)
+        assert isinstance(payload, bytes)
+        return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w, payload)
 
     def _pump(self, rank: int, stream: Std, log_path: Path) -> dict[str, Any]:
         spec = self._spec
