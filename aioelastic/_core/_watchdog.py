@@ -50,21 +50,26 @@ from ._runtime import forget_in_child, runtime
 _SCRIPT = str(Path(__file__).with_name("_watchdog_process.py"))
 _MAX_MSG = 1 << 16
 #: Starts per message; the watchdog's own limit (fds per SCM_RIGHTS message).
-MAX_BATCH = 32
+MAX_BATCH = 62
 #: Start requests up to this size travel in the message itself, larger ones in a memfd.
 _INLINE_MAX = 1 << 16
 
 
-@dataclass
-class _Start:
-    """One binary start waiting for the watchdog's answer."""
+@dataclass(frozen=True)
+class BinaryStart:
+    """One binary worker for :meth:`Watchdog.spawn`: its command line, environment, stdio."""
 
-    argv: list[str]
-    env: dict[str, str]
-    #: stdout, stderr, cwd (O_PATH), status pipe write end, then stdin if the worker has
-    #: one of its own (else ``/dev/null``): sent, then closed by the caller (but stdin).
-    fds: tuple[int, ...]
-    answer: tuple[Any, ...] | BaseException | None = None
+    argv: Sequence[str]
+    #: What the worker's environment adds to (or replaces in) the group's base environment.
+    env: Mapping[str, str]
+    stdout_fd: int
+    stderr_fd: int
+    #: The worker's own stdin; ``None``: ``/dev/null``.
+    stdin_fd: int | None = None
+
+
+#: What :meth:`Watchdog.spawn` gives per start: the pid and its exit watch, or the error.
+Spawned = tuple[int, "SpawnedWatch"] | BaseException
 
 
 def _readable(fd: int) -> bool:
@@ -114,9 +119,6 @@ class Watchdog:
         self._popen: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._queue: list[_Start] = []
-        self._queue_ready = threading.Condition()
-        self._sending = False
         #: Binary workers the watchdog started and watches already, until released.
         self._spawned: set[int] = set()
 
@@ -157,73 +159,80 @@ class Watchdog:
         self._popen, self._sock = popen, ours
         return ours
 
-    def spawn(
-        self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        stdout_fd: int,
-        stderr_fd: int,
-        stdin_fd: int | None = None,
-    ) -> tuple[int, SpawnedWatch]:
-        """Blocking: have the watchdog start a binary worker (see ``_watchdog_process``).
+    def spawn(self, base_env: Mapping[str, str], starts: Sequence[BinaryStart]) -> list[Spawned]:
+        """Blocking: have the watchdog start binary workers (see ``_watchdog_process``).
 
-        Concurrent calls (one per launcher thread) share round trips: whichever thread
-        finds no exchange in flight sends every start queued so far in one message.
+        One message and one answer per :data:`MAX_BATCH` starts, not per worker: a group
+        of binaries costs the supervisor a round trip or a few. The stdio fds of each
+        start are sent, not taken over (the caller still closes them).
 
-        Raises:
-            OSError: the binary could not be executed (the errno of ``posix_spawn``).
-            RuntimeError: the watchdog died while starting it.
+        Args:
+            base_env: The environment every worker starts from (sent once per message).
+            starts: The workers; each one's ``env`` is laid over ``base_env``.
+
+        Returns:
+            Per start, in order: ``(pid, watch)``, or the error that kept it from running:
+            an :class:`OSError` with the errno of ``posix_spawn`` (the binary could not be
+            executed), a :class:`RuntimeError` (the watchdog died while starting it).
         """
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        cwd = os.open(".", os.O_PATH | os.O_CLOEXEC)
-        fds: tuple[int, ...] = (stdout_fd, stderr_fd, cwd, status_w)
-        if stdin_fd is not None:
-            fds += (stdin_fd,)
-        request = _Start([os.fsdecode(a) for a in argv], dict(env), fds)
+        base = {os.fsdecode(k): os.fsdecode(v) for k, v in base_env.items()}
+        spawned: list[Spawned] = []
+        for first in range(0, len(starts), MAX_BATCH):
+            spawned += self._spawn_batch(base, starts[first : first + MAX_BATCH])
+        return spawned
+
+    def _spawn_batch(self, base_env: dict[str, str], batch: Sequence[BinaryStart]) -> list[Spawned]:
+        entries = []
+        fds: list[int] = []
+        status_rs: list[int] = []
+        # Made here and closed below on every path: sent fds are the watchdog's copies.
+        ours: list[int] = []
         try:
-            answer = self._submit(request)
-        except BaseException:
-            os.close(status_r)
+            ours.append(os.open(".", os.O_PATH | os.O_CLOEXEC))
+            fds.append(ours[-1])
+            for start in batch:
+                status_r, status_w = os.pipe2(os.O_CLOEXEC)
+                status_rs.append(status_r)
+                ours.append(status_w)
+                fds += (start.stdout_fd, start.stderr_fd, status_w)
+                if start.stdin_fd is not None:
+                    fds.append(start.stdin_fd)
+                argv = [os.fsdecode(a) for a in start.argv]
+                entries.append((argv, dict(start.env), start.stdin_fd is not None))
+            answers = self._exchange(marshal.dumps((base_env, entries)), fds, entries[0][0][0])
+        except BaseException as exc:
+            for fd in status_rs:
+                os.close(fd)
+            if isinstance(exc, Exception):
+                return [exc] * len(batch)
             raise
         finally:
-            os.close(status_w)
-            os.close(cwd)
-        if answer[0] == "P":
-            pid = int(answer[1])
-            self._spawned.add(pid)
-            return pid, SpawnedWatch(pid, status_r, _platform.pidfd_open(pid), self._release)
-        os.close(status_r)
-        raise OSError(int(answer[1]), f"{answer[2]} (starting {request.argv[0]!r})")
+            for fd in ours:
+                os.close(fd)
+        return [
+            self._spawned_one(answer, status_r, argv[0])
+            for answer, status_r, (argv, _, _) in zip(answers, status_rs, entries, strict=True)
+        ]
 
-    def _submit(self, request: _Start) -> tuple[Any, ...]:
-        with self._queue_ready:
-            self._queue.append(request)
-            while request.answer is None:
-                if self._sending:
-                    self._queue_ready.wait()
-                    continue
-                batch = self._queue[:MAX_BATCH]
-                del self._queue[:MAX_BATCH]
-                self._sending = True
-                self._queue_ready.release()
-                answers: list[tuple[Any, ...] | BaseException]
-                try:
-                    answers = list(self._exchange(batch))
-                except BaseException as exc:
-                    answers = [exc] * len(batch)
-                finally:
-                    self._queue_ready.acquire()
-                    self._sending = False
-                    self._queue_ready.notify_all()
-                for start, answer in zip(batch, answers, strict=True):
-                    start.answer = answer
-        if isinstance(request.answer, BaseException):
-            raise request.answer
-        return request.answer
+    def _spawned_one(self, answer: tuple[Any, ...], status_r: int, argv0: str) -> Spawned:
+        if answer[0] != "P":
+            os.close(status_r)
+            return OSError(int(answer[1]), f"{answer[2]} (starting {argv0!r})")
+        pid = int(answer[1])
+        self._spawned.add(pid)
+        try:
+            # Opened while the watchdog still holds the worker unreaped: the pidfd names it.
+            pidfd = _platform.pidfd_open(pid)
+        except OSError as exc:
+            # EMFILE: nothing could stop it later, so it is stopped now.
+            _platform.signal_group(pid, signal.SIGKILL)
+            os.close(status_r)
+            self._release(pid)
+            self._spawned.discard(pid)
+            return exc
+        return pid, SpawnedWatch(pid, status_r, pidfd, self._release)
 
-    def _exchange(self, batch: list[_Start]) -> list[tuple[Any, ...]]:
-        body = marshal.dumps([(start.argv, start.env, len(start.fds) > 4) for start in batch])
-        fds = [fd for start in batch for fd in start.fds]
+    def _exchange(self, body: bytes, fds: list[int], argv0: str) -> list[tuple[Any, ...]]:
         with self._lock:
             sock = self._ensure_started()
             if len(body) < _INLINE_MAX:
@@ -240,12 +249,12 @@ class Watchdog:
                     os.close(memfd)
             reply = sock.recv(_MAX_MSG)
         if not reply:
-            raise RuntimeError(f"the watchdog died while starting {batch[0].argv[0]!r}")
+            raise RuntimeError(f"the watchdog died while starting {argv0!r}")
         answers: list[tuple[Any, ...]] = marshal.loads(reply)
         return answers
 
     def _release(self, pid: int) -> None:
-        self._spawned.discard(pid)
+        # Its group stays in `_spawned` until forget(): R stops the watchdog watching it.
         self._send(b"R%d" % pid)
 
     def watch(self, pgid: int) -> None:
@@ -256,6 +265,9 @@ class Watchdog:
 
     def forget(self, pgid: int) -> None:
         """Stop watching ``pgid`` (its leader was reaped)."""
+        if pgid in self._spawned:
+            self._spawned.discard(pgid)
+            return  # the release (``R``) of a binary worker forgot its group already
         self._send(b"-%d" % pgid)
 
     def _send(self, message: bytes) -> None:
@@ -302,9 +314,6 @@ class Watchdog:
         self._popen = None
         self._close()
         self._lock = threading.Lock()
-        self._queue = []
-        self._queue_ready = threading.Condition()
-        self._sending = False
         self._spawned = set()
 
 
