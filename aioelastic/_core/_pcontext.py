@@ -109,7 +109,11 @@ class PContext:
         #: Global rank by local rank and the attempt, for output items under the agent.
         self._output_ranks: Mapping[int, int] | None = None
         self._output_attempt: int | None = None
-        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs)
+        # A binary without the stack hook never answers a stack request: no FIFO for it.
+        stack_ranks = [
+            r for r in range(spec.nprocs) if not spec.is_binary or _runs_stack_hook(spec.args[r])
+        ]
+        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs, stack_ranks=stack_ranks)
         #: Starts the workers of a binary group in batches (made when they start).
         self._binaries: _launchers.BinaryLauncher | None = None
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
