@@ -36,7 +36,7 @@ from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
 from ._runtime import runtime
-from ._watchdog import BinaryStart, watchdog
+from ._watchdog import BinaryStart, Spawned, watchdog
 
 T = TypeVar("T")
 
@@ -115,23 +115,36 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
 
 
 def start_binaries(
-    base_env: Mapping[str, str], starts: Sequence[BinaryStart]
+    base_env: Mapping[str, str],
+    starts: Sequence[BinaryStart],
+    on_started: Callable[[int, Launched | BaseException], None] | None = None,
 ) -> list[Launched | BaseException]:
     """Start binary workers (no shell), each in a new process group that dies with us.
 
     The watchdog process starts them (see :mod:`aioelastic._core._watchdog`), a batch of
-    them per round trip: no ``fork()`` of this possibly large process, and the
-    parent-death guarantee without a ``preexec_fn``. A start's ``stdout_fd`` of ``1``
-    means our *current* stdout, not the one the watchdog had when it started.
+    them per message: no ``fork()`` of this possibly large process, and the parent-death
+    guarantee without a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our
+    *current* stdout, not the one the watchdog had when it started.
+
+    Args:
+        base_env: The environment every worker starts from.
+        starts: The workers (each one's ``env`` is laid over ``base_env``).
+        on_started: Called with each start's index and outcome as soon as it is known.
 
     Returns:
         Per start, in order, the process or the error that kept it from running (the
         others run: the caller records them before raising).
     """
-    return [
-        spawned if isinstance(spawned, BaseException) else Launched(*spawned)
-        for spawned in watchdog.spawn(base_env, starts)
-    ]
+    results: list[Launched | BaseException] = []
+
+    def report(index: int, spawned: Spawned) -> None:
+        result = spawned if isinstance(spawned, BaseException) else Launched(*spawned)
+        results.append(result)
+        if on_started is not None:
+            on_started(index, result)
+
+    watchdog.spawn(base_env, starts, report)
+    return results
 
 
 class BinaryLauncher:
@@ -141,8 +154,9 @@ class BinaryLauncher:
     process. The first start goes to a launcher thread (and to the watchdog) at once;
     the starts handed over while a batch is in flight wait for its answer and then go
     together, in one hand-off and as few messages as the watchdog takes (group commit).
-    So the event loop sets up the next workers while the watchdog spawns the previous
-    ones, and a group of N binaries costs a few round trips instead of N.
+    The watchdog answers each worker as it is made, so the event loop sets up the next
+    workers and puts the made ones to use while the watchdog spawns on, and a group of N
+    binaries costs a few thread hand-offs and messages instead of N round trips.
     """
 
     def __init__(self, base_env: Mapping[str, str]) -> None:
@@ -173,21 +187,34 @@ class BinaryLauncher:
         if not batch:
             return
         self._in_flight = True
+        loop = asyncio.get_running_loop()
         starts = [start for start, _ in batch]
-        done = asyncio.wrap_future(_launcher_pool().submit(start_binaries, self._base_env, starts))
 
-        def deliver(done: asyncio.Future[list[Launched | BaseException]]) -> None:
+        def started(index: int, result: Launched | BaseException) -> None:
+            # On the launcher thread, as each worker is made: its set-up goes on at once.
+            loop.call_soon_threadsafe(_settle, batch[index][1], result)
+
+        done = asyncio.wrap_future(
+            _launcher_pool().submit(start_binaries, self._base_env, starts, started)
+        )
+
+        def finished(done: asyncio.Future[list[Launched | BaseException]]) -> None:
+            # After every `started` callback: they were scheduled before the thread ended.
             self._in_flight = False
             error = done.exception()
-            results = [error] * len(batch) if error is not None else done.result()
-            for (_, future), result in zip(batch, results, strict=True):
-                if isinstance(result, BaseException):
-                    future.set_exception(result)
-                else:
-                    future.set_result(result)
+            for _, future in batch:
+                if not future.done():
+                    _settle(future, error or RuntimeError("binary start was not answered"))
             self._flush()
 
-        done.add_done_callback(deliver)
+        done.add_done_callback(finished)
+
+
+def _settle(future: asyncio.Future[Launched], result: Launched | BaseException) -> None:
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
 
 
 def start_binary(

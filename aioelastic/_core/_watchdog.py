@@ -159,16 +159,24 @@ class Watchdog:
         self._popen, self._sock = popen, ours
         return ours
 
-    def spawn(self, base_env: Mapping[str, str], starts: Sequence[BinaryStart]) -> list[Spawned]:
+    def spawn(
+        self,
+        base_env: Mapping[str, str],
+        starts: Sequence[BinaryStart],
+        on_spawned: Callable[[int, Spawned], None] | None = None,
+    ) -> list[Spawned]:
         """Blocking: have the watchdog start binary workers (see ``_watchdog_process``).
 
-        One message and one answer per :data:`MAX_BATCH` starts, not per worker: a group
-        of binaries costs the supervisor a round trip or a few. The stdio fds of each
-        start are sent, not taken over (the caller still closes them).
+        One message per :data:`MAX_BATCH` starts, not per worker; the watchdog answers
+        each start as soon as it is made, so ``on_spawned`` can put the first workers to
+        use while it still spawns the others. The stdio fds of each start are sent, not
+        taken over (the caller still closes them).
 
         Args:
             base_env: The environment every worker starts from (sent once per message).
             starts: The workers; each one's ``env`` is laid over ``base_env``.
+            on_spawned: Called (on this thread) with each start's index and outcome as
+                soon as it is known.
 
         Returns:
             Per start, in order: ``(pid, watch)``, or the error that kept it from running:
@@ -177,11 +185,22 @@ class Watchdog:
         """
         base = {os.fsdecode(k): os.fsdecode(v) for k, v in base_env.items()}
         spawned: list[Spawned] = []
+
+        def report(outcome: Spawned) -> None:
+            if on_spawned is not None:
+                on_spawned(len(spawned), outcome)
+            spawned.append(outcome)
+
         for first in range(0, len(starts), MAX_BATCH):
-            spawned += self._spawn_batch(base, starts[first : first + MAX_BATCH])
+            self._spawn_batch(base, starts[first : first + MAX_BATCH], report)
         return spawned
 
-    def _spawn_batch(self, base_env: dict[str, str], batch: Sequence[BinaryStart]) -> list[Spawned]:
+    def _spawn_batch(
+        self,
+        base_env: dict[str, str],
+        batch: Sequence[BinaryStart],
+        report: Callable[[Spawned], None],
+    ) -> None:
         entries = []
         fds: list[int] = []
         status_rs: list[int] = []
@@ -199,20 +218,48 @@ class Watchdog:
                     fds.append(start.stdin_fd)
                 argv = [os.fsdecode(a) for a in start.argv]
                 entries.append((argv, dict(start.env), start.stdin_fd is not None))
-            answers = self._exchange(marshal.dumps((base_env, entries)), fds, entries[0][0][0])
         except BaseException as exc:
-            for fd in status_rs:
+            for fd in [*status_rs, *ours]:
                 os.close(fd)
-            if isinstance(exc, Exception):
-                return [exc] * len(batch)
-            raise
-        finally:
-            for fd in ours:
-                os.close(fd)
-        return [
-            self._spawned_one(answer, status_r, argv[0])
-            for answer, status_r, (argv, _, _) in zip(answers, status_rs, entries, strict=True)
-        ]
+            if not isinstance(exc, Exception):
+                raise
+            for _ in batch:
+                report(exc)
+            return
+        failure: Exception = RuntimeError(f"the watchdog died while starting {entries[0][0][0]!r}")
+        with self._lock:
+            sock: socket.socket | None
+            try:
+                sock = self._send_batch(marshal.dumps((base_env, entries)), fds)
+            except Exception as exc:
+                sock, failure = None, exc
+            finally:
+                for fd in ours:
+                    os.close(fd)
+            for status_r, (argv, _, _) in zip(status_rs, entries, strict=True):
+                reply = sock.recv(_MAX_MSG) if sock is not None else b""
+                if reply:
+                    report(self._spawned_one(marshal.loads(reply), status_r, argv[0]))
+                    continue
+                sock = None  # the rest of the batch was not started either
+                os.close(status_r)
+                report(failure)
+
+    def _send_batch(self, body: bytes, fds: list[int]) -> socket.socket:
+        sock = self._ensure_started()
+        if len(body) < _INLINE_MAX:
+            socket.send_fds(sock, [b"B" + body], fds)
+        else:
+            # Larger than one datagram may be (the socket's send buffer): a memfd.
+            memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(memfd, view) :]
+                socket.send_fds(sock, [b"M"], [*fds, memfd])
+            finally:
+                os.close(memfd)
+        return sock
 
     def _spawned_one(self, answer: tuple[Any, ...], status_r: int, argv0: str) -> Spawned:
         if answer[0] != "P":
@@ -231,27 +278,6 @@ class Watchdog:
             self._spawned.discard(pid)
             return exc
         return pid, SpawnedWatch(pid, status_r, pidfd, self._release)
-
-    def _exchange(self, body: bytes, fds: list[int], argv0: str) -> list[tuple[Any, ...]]:
-        with self._lock:
-            sock = self._ensure_started()
-            if len(body) < _INLINE_MAX:
-                socket.send_fds(sock, [b"B" + body], fds)
-            else:
-                # Larger than one datagram may be (the socket's send buffer): a memfd.
-                memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
-                try:
-                    view = memoryview(body)
-                    while view:
-                        view = view[os.write(memfd, view) :]
-                    socket.send_fds(sock, [b"M"], [*fds, memfd])
-                finally:
-                    os.close(memfd)
-            reply = sock.recv(_MAX_MSG)
-        if not reply:
-            raise RuntimeError(f"the watchdog died while starting {argv0!r}")
-        answers: list[tuple[Any, ...]] = marshal.loads(reply)
-        return answers
 
     def _release(self, pid: int) -> None:
         # Its group stays in `_spawned` until forget(): R stops the watchdog watching it.

@@ -14,8 +14,9 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
   ``posix_spawn`` (a vfork: its cost does not grow with the size of any process), each in
   a new process group with default signal dispositions and an empty signal mask, with the
   environment ``{**base_env, **env_overrides}`` (a group's workers share all but a few
-  variables: the common part travels once per message). The answer is one message, a
-  marshalled list with ``("P", pid)`` or ``("E", errno, message)`` per entry. Each group
+  variables: the common part travels once per message). Each entry is answered by a
+  message of its own as soon as it is done, a marshalled ``("P", pid)`` or ``("E",
+  errno, message)``, in order. Each group
   is watched before the parent-death signal can be handled, so a supervisor SIGKILLed at
   any point of the start leaves no orphan. The exit status is written to ``status_w``
   when the worker exits; the worker stays unreaped (its pid, hence its group id, cannot
@@ -145,7 +146,6 @@ class _Server:
     def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
         base_env, requests = marshal.loads(body)
         cwd_fd, *fds = fds
-        answers: list[tuple[object, ...]] = []
         # A SIGKILLed supervisor must find every new group in `groups`: hold the
         # parent-death signal from before the first process exists until the last is
         # recorded. Fallback waiter threads are created meanwhile and inherit the block:
@@ -167,17 +167,17 @@ class _Server:
                     pid = self._spawn(argv, env, stdout_fd, stderr_fd, stdin_fd)
                 except OSError as exc:
                     os.close(status_w)
-                    answers.append(("E", exc.errno or errno.EIO, str(exc)))
+                    self._sock.sendmsg([marshal.dumps(("E", exc.errno or errno.EIO, str(exc)))])
                     continue
                 finally:
                     for fd in (stdout_fd, stderr_fd, stdin_fd):
                         if fd is not None:
                             os.close(fd)
                 self._watch_exit(pid, status_w)
-                answers.append(("P", pid))
+                # Answered at once: the supervisor sets this worker up while we spawn on.
+                self._sock.sendmsg([marshal.dumps(("P", pid))])
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
-        self._sock.sendmsg([marshal.dumps(answers)])
 
     def _spawn(
         self,
