@@ -269,3 +269,24 @@ async def test_binary_without_the_stack_hook_gets_no_stack_fifo(
         result = await ctx.wait()
     assert result is not None
     assert not result.is_failed()
+
+
+async def test_a_group_whose_binary_cannot_be_executed_raises_its_errno_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    # Executable, so it passes validation, but its interpreter does not exist: every
+    # start of the group fails in posix_spawn itself.
+    script = tmp_path / "bad-interpreter"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    with pytest.raises(FileNotFoundError, match=r"starting '.*bad-interpreter'"):
+        await aioelastic.run_processes(
+            "bad",
+            str(script),
+            {r: () for r in range(3)},
+            {r: {} for r in range(3)},
+            log_dir=tmp_path / "logs",
+        )
+    # The watchdog is still of use: the next group starts.
+    result = await aioelastic.run_processes("true", "true", {0: ()}, {0: {}})
+    assert not result.is_failed()
