@@ -194,9 +194,16 @@ class BinaryLauncher:
             # On the launcher thread, as each worker is made: its set-up goes on at once.
             loop.call_soon_threadsafe(_settle, batch[index][1], result)
 
-        done = asyncio.wrap_future(
-            _launcher_pool().submit(start_binaries, self._base_env, starts, started)
-        )
+        try:
+            done = asyncio.wrap_future(
+                _launcher_pool().submit(start_binaries, self._base_env, starts, started)
+            )
+        except BaseException as exc:
+            # Nothing was started; the waiting set-up tasks must not wait forever.
+            self._in_flight = False
+            for _, future in batch:
+                _settle(future, exc)
+            return
 
         def finished(done: asyncio.Future[list[Launched | BaseException]]) -> None:
             # After every `started` callback: they were scheduled before the thread ended.

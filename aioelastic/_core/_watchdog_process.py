@@ -167,7 +167,7 @@ class _Server:
                     pid = self._spawn(argv, env, stdout_fd, stderr_fd, stdin_fd)
                 except OSError as exc:
                     os.close(status_w)
-                    self._sock.sendmsg([marshal.dumps(("E", exc.errno or errno.EIO, str(exc)))])
+                    self._answer(("E", exc.errno or errno.EIO, str(exc)))
                     continue
                 finally:
                     for fd in (stdout_fd, stderr_fd, stdin_fd):
@@ -175,9 +175,15 @@ class _Server:
                             os.close(fd)
                 self._watch_exit(pid, status_w)
                 # Answered at once: the supervisor sets this worker up while we spawn on.
-                self._sock.sendmsg([marshal.dumps(("P", pid))])
+                self._answer(("P", pid))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
+
+    def _answer(self, answer: tuple[str, int] | tuple[str, int, str]) -> None:
+        try:
+            self._sock.sendmsg([marshal.dumps(answer)])
+        except OSError:
+            pass  # the supervisor is gone: the rest of the batch is started, then killed
 
     def _spawn(
         self,
@@ -272,8 +278,10 @@ def main() -> None:
     sock = socket.socket(fileno=sock_fd)
     sock.set_inheritable(False)  # passed to us inheritable; no worker may hold it
     sock.sendmsg([b"K"])
-    _Server(sock).serve()
-    kill_all()
+    try:
+        _Server(sock).serve()
+    finally:
+        kill_all()  # also when serving failed: no group may outlive its supervisor's link
 
 
 if __name__ == "__main__":
