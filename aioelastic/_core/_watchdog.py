@@ -27,6 +27,7 @@ reaches the supervisor's group, does not remove the safety net first.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import marshal
 import os
@@ -119,8 +120,10 @@ class Watchdog:
         self._popen: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        #: Binary workers the watchdog started and watches already, until released.
+        #: Binary workers the watchdog started and watches already, until forgotten.
         self._spawned: set[int] = set()
+        #: Released binary workers whose ``R`` is sent at the end of this loop turn.
+        self._releases: list[int] = []
 
     @property
     def pid(self) -> int | None:
@@ -281,7 +284,21 @@ class Watchdog:
 
     def _release(self, pid: int) -> None:
         # Its group stays in `_spawned` until forget(): R stops the watchdog watching it.
-        self._send(b"R%d" % pid)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._send(b"R%d" % pid)  # on a launcher thread
+            return
+        # Teardown releases a group's workers one after the other in one turn of the
+        # loop: one message for all of them, one wake-up of the watchdog. Holding a
+        # zombie a moment longer is safe (its pid cannot be reused meanwhile).
+        if not self._releases:
+            loop.call_soon(self._send_releases)
+        self._releases.append(pid)
+
+    def _send_releases(self) -> None:
+        pids, self._releases = self._releases, []
+        self._send(b"R" + b" ".join(b"%d" % pid for pid in pids))
 
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies before :meth:`forget`."""
@@ -341,6 +358,7 @@ class Watchdog:
         self._close()
         self._lock = threading.Lock()
         self._spawned = set()
+        self._releases = []
 
 
 #: The watchdog of this process (started on first use).

@@ -21,7 +21,7 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
   any point of the start leaves no orphan. The exit status is written to ``status_w``
   when the worker exits; the worker stays unreaped (its pid, hence its group id, cannot
   be reused) until
-* ``R<pid>``: reap that worker and stop watching its group.
+* ``R<pid> <pid>...``: reap those workers and stop watching their groups.
 * end-of-file: the supervisor is gone; kill every watched group and exit.
 
 The parent-death signal (SIGUSR1, set with ``prctl``) does the same when the supervisor
@@ -140,7 +140,8 @@ class _Server:
         elif kind == b"-":
             groups.discard(int(msg[1:]))
         elif kind == b"R":
-            self._reap(int(msg[1:]))
+            for pid in msg[1:].split():
+                self._reap(int(pid))
         return True
 
     def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
