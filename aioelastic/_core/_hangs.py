@@ -93,7 +93,14 @@ class HangGuard:
     def __init__(
         self, config: HangConfig, nprocs: int, *, stack_ranks: Collection[int] | None = None
     ) -> None:
-        """``stack_ranks``: the ranks that can answer stack requests (all when ``None``)."""
+        """Make the guard of a group of ``nprocs`` workers (no I/O until :meth:`open`).
+
+        Args:
+            config: What is enabled (file timer, stall timeout) and its bounds.
+            nprocs: The number of workers.
+            stack_ranks: The ranks that can answer stack requests and so get a stack
+                FIFO (all when ``None``).
+        """
         self.config = config
         self._stacks = StackChannels(range(nprocs) if stack_ranks is None else stack_ranks)
         self._timer: TimerServer | None = None
