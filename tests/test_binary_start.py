@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ import pytest
 
 import aioelastic
 from aioelastic._core import _launchers, _platform
-from aioelastic._core._watchdog import watchdog
+from aioelastic._core._watchdog import MAX_BATCH, watchdog
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -232,3 +233,60 @@ async def _exits(pid: int) -> None:
         await anyio.wait_readable(fd)
     finally:
         os.close(fd)
+
+
+async def test_a_group_larger_than_one_start_message_gets_each_rank_its_own_argv_and_env(
+    tmp_path: Path,
+) -> None:
+    # More workers than one message to the watchdog holds: the starts travel in several
+    # batches, each worker still with its own arguments over the shared environment.
+    n = MAX_BATCH + 5
+    result = await aioelastic.run_processes(
+        "many",
+        "/bin/sh",
+        {
+            rank: ("-c", 'printf "%s %s %s" "$1" "$RANK_VAR" "$HOME"', "sh", str(rank))
+            for rank in range(n)
+        },
+        {rank: {"RANK_VAR": f"v{rank}"} for rank in range(n)},
+        redirects=aioelastic.Std.OUT,
+        log_dir=tmp_path,
+    )
+    assert not result.is_failed()
+    outputs = {rank: Path(path).read_text() for rank, path in result.stdouts.items()}
+    home = os.environ.get("HOME", "")
+    assert outputs == {rank: f"{rank} v{rank} {home}" for rank in range(n)}
+
+
+async def test_binary_without_the_stack_hook_gets_no_stack_fifo(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    async with aioelastic.start_processes(
+        "plain", "true", {0: (), 1: ()}, {0: {}, 1: {}}, log_dir=tmp_path / "logs"
+    ) as ctx:
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+        result = await ctx.wait()
+    assert result is not None
+    assert not result.is_failed()
+
+
+async def test_a_group_whose_binary_cannot_be_executed_raises_its_errno_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    # Executable, so it passes validation, but its interpreter does not exist: every
+    # start of the group fails in posix_spawn itself.
+    script = tmp_path / "bad-interpreter"
+    script.write_text("#!/no/such/interpreter\n")
+    script.chmod(0o755)
+    with pytest.raises(FileNotFoundError, match=r"starting '.*bad-interpreter'"):
+        await aioelastic.run_processes(
+            "bad",
+            str(script),
+            {r: () for r in range(3)},
+            {r: {} for r in range(3)},
+            log_dir=tmp_path / "logs",
+        )
+    # The watchdog is still of use: the next group starts.
+    result = await aioelastic.run_processes("true", "true", {0: ()}, {0: {}})
+    assert not result.is_failed()

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,9 +90,19 @@ class HangHooks(Protocol):
 class HangGuard:
     """Stacks, timers and stall checks for the workers of one group."""
 
-    def __init__(self, config: HangConfig, nprocs: int) -> None:
+    def __init__(
+        self, config: HangConfig, nprocs: int, *, stack_ranks: Collection[int] | None = None
+    ) -> None:
+        """Make the guard of a group of ``nprocs`` workers (no I/O until :meth:`open`).
+
+        Args:
+            config: What is enabled (file timer, stall timeout) and its bounds.
+            nprocs: The number of workers.
+            stack_ranks: The ranks that can answer stack requests and so get a stack
+                FIFO (all when ``None``).
+        """
         self.config = config
-        self._stacks = StackChannels(range(nprocs))
+        self._stacks = StackChannels(range(nprocs) if stack_ranks is None else stack_ranks)
         self._timer: TimerServer | None = None
         self._owner: dict[int, int] = {}
         self._answering: set[int] = set()

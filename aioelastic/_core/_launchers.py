@@ -24,7 +24,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +36,7 @@ from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
 from ._runtime import runtime
-from ._watchdog import watchdog
+from ._watchdog import BinaryStart, Spawned, watchdog
 
 T = TypeVar("T")
 
@@ -114,23 +114,129 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
     popen.returncode = 0
 
 
+def start_binaries(
+    base_env: Mapping[str, str],
+    starts: Sequence[BinaryStart],
+    on_started: Callable[[int, Launched | BaseException], None] | None = None,
+) -> list[Launched | BaseException]:
+    """Start binary workers (no shell), each in a new process group that dies with us.
+
+    The watchdog process starts them (see :mod:`aioelastic._core._watchdog`), a batch of
+    them per message: no ``fork()`` of this possibly large process, and the parent-death
+    guarantee without a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our
+    *current* stdout, not the one the watchdog had when it started.
+
+    Args:
+        base_env: The environment every worker starts from.
+        starts: The workers (each one's ``env`` is laid over ``base_env``).
+        on_started: Called with each start's index and outcome as soon as it is known.
+
+    Returns:
+        Per start, in order, the process or the error that kept it from running (the
+        others run: the caller records them before raising).
+    """
+    results: list[Launched | BaseException] = []
+
+    def report(index: int, spawned: Spawned) -> None:
+        result = spawned if isinstance(spawned, BaseException) else Launched(*spawned)
+        results.append(result)
+        if on_started is not None:
+            on_started(index, result)
+
+    watchdog.spawn(base_env, starts, report)
+    return results
+
+
+class BinaryLauncher:
+    """Starts the binary workers of one group in batches, on the event loop's side.
+
+    Each worker's set-up task hands its start over with :meth:`start` and awaits its
+    process. The first start goes to a launcher thread (and to the watchdog) at once;
+    the starts handed over while a batch is in flight wait for its answer and then go
+    together, in one hand-off and as few messages as the watchdog takes (group commit).
+    The watchdog answers each worker as it is made, so the event loop sets up the next
+    workers and puts the made ones to use while the watchdog spawns on, and a group of N
+    binaries costs a few thread hand-offs and messages instead of N round trips.
+    """
+
+    def __init__(self, base_env: Mapping[str, str]) -> None:
+        #: The environment every worker starts from (each start's ``env`` is laid over it).
+        self._base_env = dict(base_env)
+        self._pending: list[tuple[BinaryStart, asyncio.Future[Launched]]] = []
+        self._in_flight = False
+
+    async def start(self, start: BinaryStart) -> Launched:
+        """The process of ``start``, once its batch was started.
+
+        Raises:
+            OSError: the binary could not be executed (the errno of ``posix_spawn``).
+            RuntimeError: the watchdog died while starting it.
+        """
+        future: asyncio.Future[Launched] = asyncio.get_running_loop().create_future()
+        self._pending.append((start, future))
+        if not self._in_flight:
+            self._flush()
+        # Shielded: a process that may exist must reach the caller, who records it. The
+        # wait ends: the batch in flight always answers (or fails), and then this one goes.
+        with anyio.CancelScope(shield=True):
+            launched = await future
+        return launched
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        if not batch:
+            return
+        self._in_flight = True
+        loop = asyncio.get_running_loop()
+        starts = [start for start, _ in batch]
+
+        def started(index: int, result: Launched | BaseException) -> None:
+            # On the launcher thread, as each worker is made: its set-up goes on at once.
+            loop.call_soon_threadsafe(_settle, batch[index][1], result)
+
+        try:
+            done = asyncio.wrap_future(
+                _launcher_pool().submit(start_binaries, self._base_env, starts, started)
+            )
+        except BaseException as exc:
+            # Nothing was started; the waiting set-up tasks must not wait forever.
+            self._in_flight = False
+            for _, future in batch:
+                _settle(future, exc)
+            return
+
+        def finished(done: asyncio.Future[list[Launched | BaseException]]) -> None:
+            # After every `started` callback: they were scheduled before the thread ended.
+            self._in_flight = False
+            error = done.exception()
+            for _, future in batch:
+                if not future.done():
+                    _settle(future, error or RuntimeError("binary start was not answered"))
+            self._flush()
+
+        done.add_done_callback(finished)
+
+
+def _settle(future: asyncio.Future[Launched], result: Launched | BaseException) -> None:
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 def start_binary(
     argv: Sequence[str],
-    env: dict[str, str],
+    env: Mapping[str, str],
     stdout_fd: int | None,
     stderr_fd: int,
     stdin_fd: int | None = None,
 ) -> Launched:
-    """Start ``argv`` (no shell) in a new process group that dies with this process.
-
-    The watchdog process starts it (see :mod:`aioelastic._core._watchdog`): no ``fork()`` of
-    this possibly large process, and the parent-death guarantee without a ``preexec_fn``.
-    """
-    # ``None`` means our *current* stdout, not the one the watchdog had when it started.
-    pid, watch = watchdog.spawn(
-        argv, env, 1 if stdout_fd is None else stdout_fd, stderr_fd, stdin_fd
-    )
-    return Launched(pid, watch)
+    """Start one binary worker: :func:`start_binaries` of one, its error raised."""
+    start = BinaryStart(argv, {}, 1 if stdout_fd is None else stdout_fd, stderr_fd, stdin_fd)
+    (launched,) = start_binaries(env, [start])
+    if isinstance(launched, BaseException):
+        raise launched
+    return launched
 
 
 def python_command(code: str) -> list[str]:

@@ -48,7 +48,7 @@ from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._terminal import open_worker_stdio
 from ._validate import GroupSpec, validate
-from ._watchdog import watchdog
+from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
 
 logger = logging.getLogger("aioelastic")
@@ -109,7 +109,13 @@ class PContext:
         #: Global rank by local rank and the attempt, for output items under the agent.
         self._output_ranks: Mapping[int, int] | None = None
         self._output_attempt: int | None = None
-        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs)
+        # A binary without the stack hook never answers a stack request: no FIFO for it.
+        stack_ranks = [
+            r for r in range(spec.nprocs) if not spec.is_binary or _runs_stack_hook(spec.args[r])
+        ]
+        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs, stack_ranks=stack_ranks)
+        #: Starts the workers of a binary group in batches (made when they start).
+        self._binaries: _launchers.BinaryLauncher | None = None
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
         self._hang_texts: dict[int, str] = {}
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
@@ -275,14 +281,14 @@ class PContext:
     def _prepare_rank(self, rank: int, root: Path) -> _Prepared:
         spec = self._spec
         error_file = str(root / str(rank) / "error.json")
-        env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
-        env.update(
-            self._hangs.worker_env(
-                rank, python=not spec.is_binary or _runs_stack_hook(spec.args[rank])
-            )
-        )
         if spec.is_binary:
+            # Only what this rank adds to the supervisor's environment: the watchdog lays
+            # it over the one copy of ``os.environ`` sent per batch (see BinaryLauncher).
+            env = {**spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
+            env.update(self._hangs.worker_env(rank, python=_runs_stack_hook(spec.args[rank])))
             return _Prepared(env, error_file, None)
+        env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
+        env.update(self._hangs.worker_env(rank))
         assert callable(spec.entrypoint)
         call = FunctionCall(spec.entrypoint, spec.args[rank], env, error_file)
         if spec.start_method == "fork":
@@ -305,6 +311,8 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
         errors: list[tuple[int, BaseException]] = []
+        if self._spec.is_binary:
+            self._binaries = _launchers.BinaryLauncher(os.environ)
 
         async def start(rank: int) -> None:
             try:
@@ -415,10 +423,9 @@ class PContext:
         spec = self._spec
         payload, env = prepared.payload, prepared.env
         if spec.is_binary:
+            assert self._binaries is not None
             argv = [str(spec.entrypoint), *spec.args[rank]]
-            return await _launchers.on_launcher_thread(
-                _launchers.start_binary, argv, env, out_w, err_w, stdin
-            )
+            return await self._binaries.start(BinaryStart(argv, env, out_w, err_w, stdin))
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
             # pipe would otherwise outlive us in a grandchild).

@@ -17,7 +17,7 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 
 import anyio
@@ -115,13 +115,15 @@ class StackChannel:
 class StackChannels:
     """The stack FIFOs of a group of workers, in a private temporary directory."""
 
-    def __init__(self, ranks: range) -> None:
+    def __init__(self, ranks: Collection[int]) -> None:
         self._ranks = ranks
         self._dir: Path | None = None
         self.channels: dict[int, StackChannel] = {}
 
     def open(self) -> None:
-        """Create the directory and one FIFO per rank."""
+        """Create the directory and one FIFO per rank (nothing without ranks)."""
+        if not self._ranks:
+            return
         self._dir = Path(tempfile.mkdtemp(prefix="aioelastic_stacks_"))
         try:
             for rank in self._ranks:

@@ -27,6 +27,7 @@ reaches the supervisor's group, does not remove the safety net first.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import marshal
 import os
@@ -50,21 +51,26 @@ from ._runtime import forget_in_child, runtime
 _SCRIPT = str(Path(__file__).with_name("_watchdog_process.py"))
 _MAX_MSG = 1 << 16
 #: Starts per message; the watchdog's own limit (fds per SCM_RIGHTS message).
-MAX_BATCH = 32
+MAX_BATCH = 62
 #: Start requests up to this size travel in the message itself, larger ones in a memfd.
 _INLINE_MAX = 1 << 16
 
 
-@dataclass
-class _Start:
-    """One binary start waiting for the watchdog's answer."""
+@dataclass(frozen=True)
+class BinaryStart:
+    """One binary worker for :meth:`Watchdog.spawn`: its command line, environment, stdio."""
 
-    argv: list[str]
-    env: dict[str, str]
-    #: stdout, stderr, cwd (O_PATH), status pipe write end, then stdin if the worker has
-    #: one of its own (else ``/dev/null``): sent, then closed by the caller (but stdin).
-    fds: tuple[int, ...]
-    answer: tuple[Any, ...] | BaseException | None = None
+    argv: Sequence[str]
+    #: What the worker's environment adds to (or replaces in) the group's base environment.
+    env: Mapping[str, str]
+    stdout_fd: int
+    stderr_fd: int
+    #: The worker's own stdin; ``None``: ``/dev/null``.
+    stdin_fd: int | None = None
+
+
+#: What :meth:`Watchdog.spawn` gives per start: the pid and its exit watch, or the error.
+Spawned = tuple[int, "SpawnedWatch"] | BaseException
 
 
 def _readable(fd: int) -> bool:
@@ -114,11 +120,10 @@ class Watchdog:
         self._popen: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
-        self._queue: list[_Start] = []
-        self._queue_ready = threading.Condition()
-        self._sending = False
-        #: Binary workers the watchdog started and watches already, until released.
+        #: Binary workers the watchdog started and watches already, until forgotten.
         self._spawned: set[int] = set()
+        #: Released binary workers whose ``R`` is sent at the end of this loop turn.
+        self._releases: list[int] = []
 
     @property
     def pid(self) -> int | None:
@@ -159,94 +164,141 @@ class Watchdog:
 
     def spawn(
         self,
-        argv: Sequence[str],
-        env: Mapping[str, str],
-        stdout_fd: int,
-        stderr_fd: int,
-        stdin_fd: int | None = None,
-    ) -> tuple[int, SpawnedWatch]:
-        """Blocking: have the watchdog start a binary worker (see ``_watchdog_process``).
+        base_env: Mapping[str, str],
+        starts: Sequence[BinaryStart],
+        on_spawned: Callable[[int, Spawned], None] | None = None,
+    ) -> list[Spawned]:
+        """Blocking: have the watchdog start binary workers (see ``_watchdog_process``).
 
-        Concurrent calls (one per launcher thread) share round trips: whichever thread
-        finds no exchange in flight sends every start queued so far in one message.
+        One message per :data:`MAX_BATCH` starts, not per worker; the watchdog answers
+        each start as soon as it is made, so ``on_spawned`` can put the first workers to
+        use while it still spawns the others. The stdio fds of each start are sent, not
+        taken over (the caller still closes them).
 
-        Raises:
-            OSError: the binary could not be executed (the errno of ``posix_spawn``).
-            RuntimeError: the watchdog died while starting it.
+        Args:
+            base_env: The environment every worker starts from (sent once per message).
+            starts: The workers; each one's ``env`` is laid over ``base_env``.
+            on_spawned: Called (on this thread) with each start's index and outcome as
+                soon as it is known.
+
+        Returns:
+            Per start, in order: ``(pid, watch)``, or the error that kept it from running:
+            an :class:`OSError` with the errno of ``posix_spawn`` (the binary could not be
+            executed), a :class:`RuntimeError` (the watchdog died while starting it).
         """
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        cwd = os.open(".", os.O_PATH | os.O_CLOEXEC)
-        fds: tuple[int, ...] = (stdout_fd, stderr_fd, cwd, status_w)
-        if stdin_fd is not None:
-            fds += (stdin_fd,)
-        request = _Start([os.fsdecode(a) for a in argv], dict(env), fds)
+        base = {os.fsdecode(k): os.fsdecode(v) for k, v in base_env.items()}
+        spawned: list[Spawned] = []
+
+        def report(outcome: Spawned) -> None:
+            if on_spawned is not None:
+                on_spawned(len(spawned), outcome)
+            spawned.append(outcome)
+
+        for first in range(0, len(starts), MAX_BATCH):
+            self._spawn_batch(base, starts[first : first + MAX_BATCH], report)
+        return spawned
+
+    def _spawn_batch(
+        self,
+        base_env: dict[str, str],
+        batch: Sequence[BinaryStart],
+        report: Callable[[Spawned], None],
+    ) -> None:
+        entries = []
+        fds: list[int] = []
+        status_rs: list[int] = []
+        # Made here and closed below on every path: sent fds are the watchdog's copies.
+        ours: list[int] = []
         try:
-            answer = self._submit(request)
-        except BaseException:
-            os.close(status_r)
-            raise
-        finally:
-            os.close(status_w)
-            os.close(cwd)
-        if answer[0] == "P":
-            pid = int(answer[1])
-            self._spawned.add(pid)
-            return pid, SpawnedWatch(pid, status_r, _platform.pidfd_open(pid), self._release)
-        os.close(status_r)
-        raise OSError(int(answer[1]), f"{answer[2]} (starting {request.argv[0]!r})")
-
-    def _submit(self, request: _Start) -> tuple[Any, ...]:
-        with self._queue_ready:
-            self._queue.append(request)
-            while request.answer is None:
-                if self._sending:
-                    self._queue_ready.wait()
-                    continue
-                batch = self._queue[:MAX_BATCH]
-                del self._queue[:MAX_BATCH]
-                self._sending = True
-                self._queue_ready.release()
-                answers: list[tuple[Any, ...] | BaseException]
-                try:
-                    answers = list(self._exchange(batch))
-                except BaseException as exc:
-                    answers = [exc] * len(batch)
-                finally:
-                    self._queue_ready.acquire()
-                    self._sending = False
-                    self._queue_ready.notify_all()
-                for start, answer in zip(batch, answers, strict=True):
-                    start.answer = answer
-        if isinstance(request.answer, BaseException):
-            raise request.answer
-        return request.answer
-
-    def _exchange(self, batch: list[_Start]) -> list[tuple[Any, ...]]:
-        body = marshal.dumps([(start.argv, start.env, len(start.fds) > 4) for start in batch])
-        fds = [fd for start in batch for fd in start.fds]
+            ours.append(os.open(".", os.O_PATH | os.O_CLOEXEC))
+            fds.append(ours[-1])
+            for start in batch:
+                status_r, status_w = os.pipe2(os.O_CLOEXEC)
+                status_rs.append(status_r)
+                ours.append(status_w)
+                fds += (start.stdout_fd, start.stderr_fd, status_w)
+                if start.stdin_fd is not None:
+                    fds.append(start.stdin_fd)
+                argv = [os.fsdecode(a) for a in start.argv]
+                entries.append((argv, dict(start.env), start.stdin_fd is not None))
+        except BaseException as exc:
+            for fd in [*status_rs, *ours]:
+                os.close(fd)
+            if not isinstance(exc, Exception):
+                raise
+            for _ in batch:
+                report(exc)
+            return
+        failure: Exception = RuntimeError(f"the watchdog died while starting {entries[0][0][0]!r}")
         with self._lock:
-            sock = self._ensure_started()
-            if len(body) < _INLINE_MAX:
-                socket.send_fds(sock, [b"B" + body], fds)
-            else:
-                # Larger than one datagram may be (the socket's send buffer): a memfd.
-                memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
-                try:
-                    view = memoryview(body)
-                    while view:
-                        view = view[os.write(memfd, view) :]
-                    socket.send_fds(sock, [b"M"], [*fds, memfd])
-                finally:
-                    os.close(memfd)
-            reply = sock.recv(_MAX_MSG)
-        if not reply:
-            raise RuntimeError(f"the watchdog died while starting {batch[0].argv[0]!r}")
-        answers: list[tuple[Any, ...]] = marshal.loads(reply)
-        return answers
+            sock: socket.socket | None
+            try:
+                sock = self._send_batch(marshal.dumps((base_env, entries)), fds)
+            except Exception as exc:
+                sock, failure = None, exc
+            finally:
+                for fd in ours:
+                    os.close(fd)
+            for status_r, (argv, _, _) in zip(status_rs, entries, strict=True):
+                reply = sock.recv(_MAX_MSG) if sock is not None else b""
+                if reply:
+                    report(self._spawned_one(marshal.loads(reply), status_r, argv[0]))
+                    continue
+                sock = None  # the rest of the batch was not started either
+                os.close(status_r)
+                report(failure)
+
+    def _send_batch(self, body: bytes, fds: list[int]) -> socket.socket:
+        sock = self._ensure_started()
+        if len(body) < _INLINE_MAX:
+            socket.send_fds(sock, [b"B" + body], fds)
+        else:
+            # Larger than one datagram may be (the socket's send buffer): a memfd.
+            memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(memfd, view) :]
+                socket.send_fds(sock, [b"M"], [*fds, memfd])
+            finally:
+                os.close(memfd)
+        return sock
+
+    def _spawned_one(self, answer: tuple[Any, ...], status_r: int, argv0: str) -> Spawned:
+        if answer[0] != "P":
+            os.close(status_r)
+            return OSError(int(answer[1]), f"{answer[2]} (starting {argv0!r})")
+        pid = int(answer[1])
+        self._spawned.add(pid)
+        try:
+            # Opened while the watchdog still holds the worker unreaped: the pidfd names it.
+            pidfd = _platform.pidfd_open(pid)
+        except OSError as exc:
+            # EMFILE: nothing could stop it later, so it is stopped now.
+            _platform.signal_group(pid, signal.SIGKILL)
+            os.close(status_r)
+            self._release(pid)
+            self._spawned.discard(pid)
+            return exc
+        return pid, SpawnedWatch(pid, status_r, pidfd, self._release)
 
     def _release(self, pid: int) -> None:
-        self._spawned.discard(pid)
-        self._send(b"R%d" % pid)
+        # Its group stays in `_spawned` until forget(): R stops the watchdog watching it.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._send(b"R%d" % pid)  # on a launcher thread
+            return
+        # Teardown releases a group's workers one after the other in one turn of the
+        # loop: one message for all of them, one wake-up of the watchdog. Holding a
+        # zombie a moment longer is safe (its pid cannot be reused meanwhile).
+        if not self._releases:
+            loop.call_soon(self._send_releases)
+        self._releases.append(pid)
+
+    def _send_releases(self) -> None:
+        pids, self._releases = self._releases, []
+        self._send(b"R" + b" ".join(b"%d" % pid for pid in pids))
 
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies before :meth:`forget`."""
@@ -256,6 +308,9 @@ class Watchdog:
 
     def forget(self, pgid: int) -> None:
         """Stop watching ``pgid`` (its leader was reaped)."""
+        if pgid in self._spawned:
+            self._spawned.discard(pgid)
+            return  # the release (``R``) of a binary worker forgot its group already
         self._send(b"-%d" % pgid)
 
     def _send(self, message: bytes) -> None:
@@ -302,10 +357,8 @@ class Watchdog:
         self._popen = None
         self._close()
         self._lock = threading.Lock()
-        self._queue = []
-        self._queue_ready = threading.Condition()
-        self._sending = False
         self._spawned = set()
+        self._releases = []
 
 
 #: The watchdog of this process (started on first use).

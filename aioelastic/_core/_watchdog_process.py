@@ -7,17 +7,21 @@ other end of its socket.
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
 * ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
-* ``B`` + a marshalled list of ``(argv, env, has_stdin)`` + 4 fds per entry [stdout,
-  stderr, cwd, status_w], and stdin as a 5th when ``has_stdin`` (else /dev/null) (``M`` +
-  the same with the list in a memfd, the last fd, when it is too large
-  for one message): start binary workers with ``posix_spawn`` (a vfork: its cost does not
-  grow with the size of any process), each in a new process group with default signal
-  dispositions and an empty signal mask. The answer is a marshalled list with
-  ``("P", pid)`` or ``("E", errno, message)`` per entry. Each group is watched before the
-  parent-death signal can be handled, so a supervisor SIGKILLed at any point of the start
-  leaves no orphan. The exit status is written to ``status_w`` when the worker exits; the
-  worker stays unreaped (its pid, hence its group id, cannot be reused) until
-* ``R<pid>``: reap that worker and stop watching its group.
+* ``B`` + a marshalled ``(base_env, [(argv, env_overrides, has_stdin), ...])`` + fds:
+  the cwd (``O_PATH``) once, then 3 per entry [stdout, stderr, status_w] and stdin as a
+  4th when ``has_stdin`` (else /dev/null) (``M`` + the same with the body in a memfd, the
+  last fd, when it is too large for one message): start binary workers with
+  ``posix_spawn`` (a vfork: its cost does not grow with the size of any process), each in
+  a new process group with default signal dispositions and an empty signal mask, with the
+  environment ``{**base_env, **env_overrides}`` (a group's workers share all but a few
+  variables: the common part travels once per message). Each entry is answered by a
+  message of its own as soon as it is done, a marshalled ``("P", pid)`` or ``("E",
+  errno, message)``, in order. Each group
+  is watched before the parent-death signal can be handled, so a supervisor SIGKILLed at
+  any point of the start leaves no orphan. The exit status is written to ``status_w``
+  when the worker exits; the worker stays unreaped (its pid, hence its group id, cannot
+  be reused) until
+* ``R<pid> <pid>...``: reap those workers and stop watching their groups.
 * end-of-file: the supervisor is gone; kill every watched group and exit.
 
 The parent-death signal (SIGUSR1, set with ``prctl``) does the same when the supervisor
@@ -40,8 +44,9 @@ import sys
 import threading
 
 _MAX_MSG = 1 << 20
-#: Starts per message: 4 or 5 fds each, under the kernel's 253 fds per SCM_RIGHTS message.
-MAX_BATCH = 32
+#: Starts per message: 3 or 4 fds each and 2 more, under the kernel's 253 fds per
+#: SCM_RIGHTS message.
+MAX_BATCH = 62
 _STATUS = struct.Struct("=i")
 _DEATH_SIGNAL = signal.SIGUSR1
 #: Every signal a worker gets back at its default disposition (the watchdog ignores
@@ -114,7 +119,7 @@ class _Server:
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
                 _MAX_MSG,
-                socket.CMSG_LEN((5 * MAX_BATCH + 1) * fds.itemsize),
+                socket.CMSG_LEN((4 * MAX_BATCH + 2) * fds.itemsize),
                 socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
@@ -135,12 +140,13 @@ class _Server:
         elif kind == b"-":
             groups.discard(int(msg[1:]))
         elif kind == b"R":
-            self._reap(int(msg[1:]))
+            for pid in msg[1:].split():
+                self._reap(int(pid))
         return True
 
     def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
-        requests = marshal.loads(body)
-        answers: list[tuple[object, ...]] = []
+        base_env, requests = marshal.loads(body)
+        cwd_fd, *fds = fds
         # A SIGKILLed supervisor must find every new group in `groups`: hold the
         # parent-death signal from before the first process exists until the last is
         # recorded. Fallback waiter threads are created meanwhile and inherit the block:
@@ -148,26 +154,37 @@ class _Server:
         # once, also inside a later spawn's window, so no other thread may take it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
         try:
+            try:
+                os.fchdir(cwd_fd)
+            finally:
+                os.close(cwd_fd)
             taken = 0
-            for argv, env, has_stdin in requests:
-                stdout_fd, stderr_fd, cwd_fd, status_w = fds[taken : taken + 4]
-                stdin_fd = fds[taken + 4] if has_stdin else None
-                taken += 5 if has_stdin else 4
+            for argv, overrides, has_stdin in requests:
+                stdout_fd, stderr_fd, status_w = fds[taken : taken + 3]
+                stdin_fd = fds[taken + 3] if has_stdin else None
+                taken += 4 if has_stdin else 3
+                env = {**base_env, **overrides} if overrides else base_env
                 try:
-                    pid = self._spawn(argv, env, stdout_fd, stderr_fd, cwd_fd, stdin_fd)
+                    pid = self._spawn(argv, env, stdout_fd, stderr_fd, stdin_fd)
                 except OSError as exc:
                     os.close(status_w)
-                    answers.append(("E", exc.errno or errno.EIO, str(exc)))
+                    self._answer(("E", exc.errno or errno.EIO, str(exc)))
                     continue
                 finally:
-                    for fd in (stdout_fd, stderr_fd, cwd_fd, stdin_fd):
+                    for fd in (stdout_fd, stderr_fd, stdin_fd):
                         if fd is not None:
                             os.close(fd)
                 self._watch_exit(pid, status_w)
-                answers.append(("P", pid))
+                # Answered at once: the supervisor sets this worker up while we spawn on.
+                self._answer(("P", pid))
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
-        self._sock.sendmsg([marshal.dumps(answers)])
+
+    def _answer(self, answer: tuple[str, int] | tuple[str, int, str]) -> None:
+        try:
+            self._sock.sendmsg([marshal.dumps(answer)])
+        except OSError:
+            pass  # the supervisor is gone: the rest of the batch is started, then killed
 
     def _spawn(
         self,
@@ -175,10 +192,8 @@ class _Server:
         env: dict[str, str],
         stdout_fd: int,
         stderr_fd: int,
-        cwd_fd: int,
         stdin_fd: int | None,
     ) -> int:
-        os.fchdir(cwd_fd)
         pid = os.posix_spawn(
             _executable(argv[0], env),
             argv,
@@ -264,8 +279,10 @@ def main() -> None:
     sock = socket.socket(fileno=sock_fd)
     sock.set_inheritable(False)  # passed to us inheritable; no worker may hold it
     sock.sendmsg([b"K"])
-    _Server(sock).serve()
-    kill_all()
+    try:
+        _Server(sock).serve()
+    finally:
+        kill_all()  # also when serving failed: no group may outlive its supervisor's link
 
 
 if __name__ == "__main__":
