@@ -85,7 +85,8 @@ def _fmt(value: float | None, metric: Metric, limit: float | None = None) -> str
 
 def _cell(stats: Stats, metric: Metric) -> str:
     if stats.status != "ok":
-        return {"n/a": "n/a", "error": "error", "skipped": "-"}.get(stats.status, stats.status)
+        # "error": every repetition of that system failed (the run lists why).
+        return {"n/a": "n/a", "error": "failed", "skipped": "-"}.get(stats.status, stats.status)
     return _fmt(stats.median, metric, stats.limit)
 
 
@@ -190,16 +191,19 @@ def render_headlines(measures: list[Measure], rows: list[dict[str, Any]]) -> str
         ratio_text = ""
         if r["ratio"] is not None:
             ratio_text = (">" if r["ratio_is_lower_bound"] else "") + f"{r['ratio']:.2f}x"
-        unit = f" {metric.unit}"
+
+        def shown(stats: Stats, metric: Metric = metric) -> str:
+            return _cell(stats, metric) + (f" {metric.unit}" if stats.status == "ok" else "")
+
         out.append(
             "| "
             + " | ".join(
                 [
                     f"{r['measure']}: {r['case']}",
                     str(r["n"]),
-                    _cell(ours, metric) + unit,
+                    shown(ours),
                     r["theirs_system"] or "",
-                    _cell(theirs, metric) + unit,
+                    shown(theirs),
                     ratio_text,
                 ]
             )
