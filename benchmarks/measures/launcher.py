@@ -13,7 +13,10 @@ The real script also runs under ``aioelastic-run --preload torch`` (a warm fork 
 that imported torch forks every rank), and once more with ``fail-once`` and
 ``--max-restarts 1``: *restart* is then rank 0's failure stamp in attempt 0 to the last
 rank past the barrier in attempt 1. torch's side there is torchrun at its fastest
-restart, ``--monitor-interval 0.01`` (its default polls every 0.1 s).
+restart, ``--monitor-interval 0.01`` (its default polls every 0.1 s), with
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: without it torchrun's c10d rendezvous hands every
+attempt the same store server, whose keys from attempt 0 (gloo's rank addresses among
+them) attempt 1 reads back, so its connect is refused or hangs (docs/benchmarks.md, h).
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         *(["fail-once"] if ctx.params.get("fail_once") else []),
     ]
     env = dict(os.environ)
+    for setting in shlex.split(str(ctx.params.get("env", ""))):
+        name, _, value = setting.partition("=")
+        env[name] = value
     with open(output, "wb") as out:
         start = now_ns()
         code = subprocess.run(
@@ -142,6 +148,13 @@ _REAL = Group(
     rep_timeout=150.0,
 )
 
+# torchrun restarts this job only with its own store per attempt: by default its c10d
+# rendezvous (``--standalone``) keeps one store server for the whole run and its ranks use it
+# unprefixed (``TORCHELASTIC_USE_AGENT_STORE``), so attempt 1's gloo reads attempt 0's rank
+# addresses. Its opt-out makes every rendezvous round start a fresh store in rank 0.
+NO_SHARED_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
+TORCHRUN_RESTART = f"{NO_SHARED_STORE} {TORCHRUN_FAST}"
+
 # The same script failing once: torchrun runs two attempts of N torch-importing ranks
 # (~2 s per rank on 2 cores), hence 3 repetitions and not in --quick.
 _RESTART = Group(
@@ -155,10 +168,10 @@ _RESTART = Group(
             quick=False,
         ),
         System(
-            TORCHRUN_FAST,
+            TORCHRUN_RESTART,
             "torch",
             f"{_M}:torchrun",
-            {"flags": "--monitor-interval 0.01 --max-restarts 1"},
+            {"flags": "--monitor-interval 0.01 --max-restarts 1", "env": NO_SHARED_STORE},
             quick=False,
         ),
     ),
@@ -166,7 +179,7 @@ _RESTART = Group(
         Row(
             "real script, rank 0 fails once past the barrier, ours --preload torch",
             PRELOAD,
-            TORCHRUN_FAST,
+            TORCHRUN_RESTART,
             headline_n=8,
             metric="restart",
         ),
@@ -194,7 +207,9 @@ MEASURE = Measure(
         "torch forks every rank. Restart: the same script with `--max-restarts 1`, rank 0 exits "
         "1 past the barrier in attempt 0 while the others keep running; *failure to barrier* "
         "is rank 0's stamp just before its exit to the last rank past the barrier in attempt 1. "
-        "torchrun there runs at `--monitor-interval 0.01` (default 0.1 s)."
+        "torchrun there runs at `--monitor-interval 0.01` (default 0.1 s) with "
+        "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` (a fresh store per attempt; without it "
+        "attempt 1 reads attempt 0's gloo keys and fails)."
     ),
     groups=(
         _group("standalone", "trivial script, --standalone", {"standalone": True}),
