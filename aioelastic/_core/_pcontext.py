@@ -130,6 +130,12 @@ class PContext:
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
         self._io_finished = False
+        # Kept as each worker settles, so that an exit costs the same whatever N is: a
+        # scan of every worker per exit made a group's end quadratic in its size.
+        #: Whether any worker has a failure (``failure`` is never unset once set).
+        self._any_failure = False
+        #: How many workers settled as succeeded.
+        self._succeeded = 0
         self._log_root: Path | None = None
         self._temporary_log_root = False
 
@@ -183,7 +189,7 @@ class PContext:
         return sorted(self._workers, key=lambda w: w.local_rank)
 
     def _failed(self) -> bool:
-        return any(w.failure is not None for w in self._workers)
+        return self._any_failure
 
     # -- starting ---------------------------------------------------------------------
 
@@ -548,7 +554,7 @@ class PContext:
                 )
             finally:
                 worker.settled.set()
-                self._after_settle()
+                self._after_settle(worker)
 
     async def _settle(self, worker: WorkerProcess) -> None:
         assert worker.returncode is not None
@@ -623,11 +629,16 @@ class PContext:
         )
         return failure
 
-    def _after_settle(self) -> None:
+    def _after_settle(self, worker: WorkerProcess) -> None:
+        """Count the outcome of ``worker`` (settled once, just now) into the group's."""
+        if worker.failure is not None:
+            self._any_failure = True
+        elif worker.succeeded:
+            self._succeeded += 1
         if self._failed():
             self._done.set()
             self._stop_if_failed()
-        elif sum(w.succeeded for w in self._workers) == self.nprocs:
+        elif self._succeeded == self.nprocs:
             self._done.set()
 
     def _stop_if_failed(self) -> None:
@@ -709,6 +720,7 @@ class PContext:
                 text = "; ".join(faults)
                 worker.failure = _bare_failure(worker, f"worker {worker.local_rank} {text}")
                 worker.succeeded = False
+                self._any_failure = True
         failures = {w.local_rank: w.failure for w in workers if w.failure is not None}
         # Neither failed nor all succeeded: close() ended the group first.
         stopped = not failures and sum(w.succeeded for w in workers) < self.nprocs
