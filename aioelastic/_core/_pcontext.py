@@ -46,7 +46,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
-from ._terminal import open_worker_stdio
+from ._terminal import ConsoleTerminals, open_worker_stdio
 from ._validate import GroupSpec, validate
 from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
@@ -317,12 +317,13 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
         errors: list[tuple[int, BaseException]] = []
+        terminals = ConsoleTerminals.probe()
         if self._spec.is_binary:
             self._binaries = _launchers.BinaryLauncher(os.environ)
 
         async def start(rank: int) -> None:
             try:
-                await self._start_worker(rank, prepared[rank])
+                await self._start_worker(rank, prepared[rank], terminals)
             except Exception as exc:
                 errors.append((rank, exc))
 
@@ -337,7 +338,9 @@ class PContext:
             rank, exc = errors[0]
             _raise_start_error(exc, f"worker {rank} of {self.name!r}")
 
-    async def _start_worker(self, rank: int, prepared: _Prepared) -> None:
+    async def _start_worker(
+        self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals
+    ) -> None:
         spec = self._spec
         assert self._log_root is not None
         assert self._tg is not None
@@ -353,6 +356,7 @@ class PContext:
                 stdout_plain=_plain(stdout),
                 stderr_plain=_plain(stderr),
                 single_worker=spec.nprocs == 1,
+                terminals=terminals,
             )
             child_ends += stdio.child_ends()
             parent_ends += stdio.parent_ends()
