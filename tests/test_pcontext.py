@@ -484,3 +484,37 @@ async def test_a_log_file_made_after_the_call_refuses_the_start_and_leaves_no_ne
     files = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["1/stdout.log"]
     assert (tmp_path / "1" / "stdout.log").read_text() == "earlier\n"
+
+
+@pytest.mark.parametrize("last_exit", [0, 3])
+async def test_the_last_worker_decides_the_outcome_after_the_others_succeeded(
+    tmp_path: Path, last_exit: int
+) -> None:
+    # The group's outcome is counted as each worker settles: fifteen successes must
+    # neither end the wait early nor hide the sixteenth worker's failure.
+    n = 16
+    gate = tmp_path / "gate.fifo"
+    os.mkfifo(gate)
+    # Read-write: the worker's open for reading finds a writer and does not block; its
+    # read then waits for the line written below.
+    gate_fd = os.open(gate, os.O_RDWR)
+    args = {r: ("-c", "exit 0") for r in range(n - 1)}
+    args[n - 1] = ("-c", f"read line < {gate}; exit {last_exit}")
+    try:
+        async with aioelastic.start_processes("last", "sh", args, envs(n)) as ctx:
+            with anyio.fail_after(30):
+                for worker in ctx._ranked()[:-1]:
+                    await worker.settled.wait()
+            assert await ctx.wait(timeout=0) is None
+            os.write(gate_fd, b"go\n")
+            result = await ctx.wait()
+    finally:
+        os.close(gate_fd)
+    assert result is not None
+    assert not result.stopped
+    if last_exit == 0:
+        assert not result.is_failed()
+        assert result.return_values == dict.fromkeys(range(n))
+    else:
+        assert list(result.failures) == [n - 1]
+        assert result.failures[n - 1].exitcode == last_exit

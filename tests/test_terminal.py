@@ -239,3 +239,61 @@ def test_breakpoint_in_a_single_worker_is_a_working_debugger(terminal: type[Term
     term.type(b"c\r")
     term.wait_for(rb"answer is 42")
     assert term.finish() == 0, term.text()
+
+
+@pytest.mark.parametrize(
+    ("stdout_tty", "stderr_tty"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_a_plain_stream_gets_a_pty_exactly_when_the_group_saw_a_terminal_there(
+    stdout_tty: bool, stderr_tty: bool
+) -> None:
+    # The group's one look at the console decides for every worker, whatever this test
+    # process's own descriptors are.
+    from aioelastic._core._frames import Live
+    from aioelastic._core._terminal import ConsoleTerminals, open_worker_stdio
+
+    terminals = ConsoleTerminals(stdin=False, stdout=stdout_tty, stderr=stderr_tty)
+    stdio = open_worker_stdio(
+        stdout_plain=True, stderr_plain=True, single_worker=False, terminals=terminals
+    )
+    try:
+        assert os.isatty(stdio.stdout_w) is stdout_tty
+        assert os.isatty(stdio.stderr_w) is stderr_tty
+        assert stdio.live_stdout is (Live.FRAMES if stdout_tty else Live.OFF)
+        assert stdio.live_stderr is (Live.FRAMES if stderr_tty else Live.OFF)
+        assert stdio.uses_terminal is (stdout_tty or stderr_tty)
+        assert stdio.stdin is None
+    finally:
+        for fd in [*stdio.child_ends(), *stdio.parent_ends()]:
+            os.close(fd)
+    # A stream that is not plain (tee'd or redirected) is a pipe even at a terminal.
+    stdio = open_worker_stdio(
+        stdout_plain=False, stderr_plain=False, single_worker=False, terminals=terminals
+    )
+    try:
+        assert not os.isatty(stdio.stdout_w)
+        assert not os.isatty(stdio.stderr_w)
+    finally:
+        for fd in [*stdio.child_ends(), *stdio.parent_ends()]:
+            os.close(fd)
+
+
+def test_the_console_probe_reports_each_of_the_three_streams() -> None:
+    master, slave = os.openpty()
+    try:
+        probe = (
+            "from aioelastic._core._terminal import ConsoleTerminals as T; "
+            "t = T.probe(); print(t.stdin, t.stdout, t.stderr)"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", probe],
+            stdin=slave,
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            timeout=60,
+            check=True,
+        )
+    finally:
+        os.close(slave)
+        os.close(master)
+    assert proc.stdout.split() == [b"True", b"False", b"True"]

@@ -46,7 +46,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
-from ._terminal import open_worker_stdio
+from ._terminal import ConsoleTerminals, open_worker_stdio
 from ._validate import GroupSpec, validate
 from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
@@ -130,6 +130,12 @@ class PContext:
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
         self._io_finished = False
+        # Kept as each worker settles, so that an exit costs the same whatever N is: a
+        # scan of every worker per exit made a group's end quadratic in its size.
+        #: Whether any worker has a failure (``failure`` is never unset once set).
+        self._any_failure = False
+        #: How many workers settled as succeeded.
+        self._succeeded = 0
         self._log_root: Path | None = None
         self._temporary_log_root = False
 
@@ -183,7 +189,7 @@ class PContext:
         return sorted(self._workers, key=lambda w: w.local_rank)
 
     def _failed(self) -> bool:
-        return any(w.failure is not None for w in self._workers)
+        return self._any_failure
 
     # -- starting ---------------------------------------------------------------------
 
@@ -311,12 +317,13 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, _Prepared]) -> None:
         errors: list[tuple[int, BaseException]] = []
+        terminals = ConsoleTerminals.probe()
         if self._spec.is_binary:
             self._binaries = _launchers.BinaryLauncher(os.environ)
 
         async def start(rank: int) -> None:
             try:
-                await self._start_worker(rank, prepared[rank])
+                await self._start_worker(rank, prepared[rank], terminals)
             except Exception as exc:
                 errors.append((rank, exc))
 
@@ -331,7 +338,9 @@ class PContext:
             rank, exc = errors[0]
             _raise_start_error(exc, f"worker {rank} of {self.name!r}")
 
-    async def _start_worker(self, rank: int, prepared: _Prepared) -> None:
+    async def _start_worker(
+        self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals
+    ) -> None:
         spec = self._spec
         assert self._log_root is not None
         assert self._tg is not None
@@ -347,6 +356,7 @@ class PContext:
                 stdout_plain=_plain(stdout),
                 stderr_plain=_plain(stderr),
                 single_worker=spec.nprocs == 1,
+                terminals=terminals,
             )
             child_ends += stdio.child_ends()
             parent_ends += stdio.parent_ends()
@@ -548,7 +558,7 @@ class PContext:
                 )
             finally:
                 worker.settled.set()
-                self._after_settle()
+                self._after_settle(worker)
 
     async def _settle(self, worker: WorkerProcess) -> None:
         assert worker.returncode is not None
@@ -623,11 +633,16 @@ class PContext:
         )
         return failure
 
-    def _after_settle(self) -> None:
+    def _after_settle(self, worker: WorkerProcess) -> None:
+        """Count the outcome of ``worker`` (settled once, just now) into the group's."""
+        if worker.failure is not None:
+            self._any_failure = True
+        elif worker.succeeded:
+            self._succeeded += 1
         if self._failed():
             self._done.set()
             self._stop_if_failed()
-        elif sum(w.succeeded for w in self._workers) == self.nprocs:
+        elif self._succeeded == self.nprocs:
             self._done.set()
 
     def _stop_if_failed(self) -> None:
@@ -709,6 +724,7 @@ class PContext:
                 text = "; ".join(faults)
                 worker.failure = _bare_failure(worker, f"worker {worker.local_rank} {text}")
                 worker.succeeded = False
+                self._any_failure = True
         failures = {w.local_rank: w.failure for w in workers if w.failure is not None}
         # Neither failed nor all succeeded: close() ended the group first.
         stopped = not failures and sum(w.succeeded for w in workers) < self.nprocs

@@ -122,8 +122,27 @@ class WorkerStdio:
                     os.killpg(pid, signal.SIGWINCH)
 
 
+@dataclass(frozen=True)
+class ConsoleTerminals:
+    """Which of the supervisor's own stdin, stdout and stderr are terminals.
+
+    Looked up once per group start (:meth:`probe`) and handed to every
+    :func:`open_worker_stdio` of it: the answer does not change between the workers of
+    one start, and asking the kernel twice per worker added up for hundreds of them.
+    """
+
+    stdin: bool
+    stdout: bool
+    stderr: bool
+
+    @classmethod
+    def probe(cls) -> ConsoleTerminals:
+        """Ask the kernel about descriptors 0, 1 and 2 now."""
+        return cls(stdin=_isatty(0), stdout=_isatty(1), stderr=_isatty(2))
+
+
 def open_worker_stdio(
-    *, stdout_plain: bool, stderr_plain: bool, single_worker: bool
+    *, stdout_plain: bool, stderr_plain: bool, single_worker: bool, terminals: ConsoleTerminals
 ) -> WorkerStdio:
     """Create a worker's stdout and stderr: pipes, or ptys where the console is a terminal.
 
@@ -132,6 +151,8 @@ def open_worker_stdio(
             (shown, neither tee'd nor redirected).
         stderr_plain: Same for stderr.
         single_worker: The group has one worker: its stdin may be the terminal's.
+        terminals: Which of the supervisor's streams are terminals (one
+            :meth:`ConsoleTerminals.probe` per group start).
 
     Returns:
         The descriptors; a stream gets a pty when it is plain and the supervisor's
@@ -139,8 +160,8 @@ def open_worker_stdio(
     """
     opened: list[int] = []
     try:
-        out = _open(stdout_plain and _isatty(1), opened)
-        err = _open(stderr_plain and _isatty(2), opened)
+        out = _open(stdout_plain and terminals.stdout, opened)
+        err = _open(stderr_plain and terminals.stderr, opened)
         at_terminal = Live.EVERYTHING if single_worker else Live.FRAMES
         stdio = WorkerStdio(
             out[0],
@@ -154,7 +175,7 @@ def open_worker_stdio(
             if is_pty:
                 stdio._masters.append(os.dup(master))
                 opened.append(stdio._masters[-1])
-        if out[2] and single_worker and _isatty(0) and _in_foreground():
+        if out[2] and single_worker and terminals.stdin and _in_foreground():
             stdio.stdin = stdio.stdout_w
             stdio._forward_stdin_to = stdio._masters[0]
         return stdio
