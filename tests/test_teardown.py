@@ -40,7 +40,7 @@ def test_live_group_members_lists_running_members_and_skips_zombies() -> None:
         [sys.executable, "-c", _LEADER],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        process_group=0,
+        start_new_session=True,  # its own group (Popen's process_group= is 3.11+)
     )
     try:
         assert leader.stdout is not None
