@@ -52,6 +52,11 @@ def remove_if_empty(root: Path, what: str) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def discard(root: Path) -> None:
+    """A temporary root whose group never started: removed whole (it holds only our files)."""
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def remove_stale() -> None:
     """Remove the empty temporary log roots of supervisors that died (SIGKILL, OOM)."""
     tmp = Path(tempfile.gettempdir())

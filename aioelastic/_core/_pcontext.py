@@ -16,7 +16,6 @@ import logging
 import os
 import pickle
 import resource
-import shutil
 import signal
 import socket
 import string
@@ -259,7 +258,7 @@ class PContext:
             for rank_prep in prepared.values():
                 rank_prep.close_logs()
             if spec.log_dir is None:
-                shutil.rmtree(root, ignore_errors=True)
+                log_root.discard(root)
             else:
                 # Nothing started: the empty logs made so far would only make the next
                 # start with this log_dir refuse it for holding earlier output.

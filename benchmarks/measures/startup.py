@@ -46,10 +46,9 @@ def _stop_our_fork_server(preload: tuple[str, ...]) -> None:
     # stop() waits for the old server's exit, as the stdlib's _stop() does on torch's
     # side: with close() it would still be exiting during the timed start.
     from aioelastic._core import _forkserver
-    from aioelastic._core._runtime import runtime
 
     _forkserver.fork_server(preload).stop()
-    runtime.fork_servers.pop(preload, None)
+    _forkserver.servers().pop(preload, None)
 
 
 def _stop_stdlib_fork_server() -> None:
