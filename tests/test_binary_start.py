@@ -2,8 +2,9 @@
 
 What that path must keep: the worker's own process group, default signal dispositions
 and an empty mask, our current working directory and stdout, exec errors reported as
-such, and a worker that is killed — not orphaned — when the watchdog or the supervisor
-dies at any point of a start.
+such, a worker that is killed — not orphaned — when the supervisor dies at any point of
+a start or the watchdog dies under a running worker, and a batch the watchdog died
+before answering reported as not started.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import pytest
 
 import aioelastic
 from aioelastic._core import _launchers, _platform
-from aioelastic._core._watchdog import MAX_BATCH, watchdog
+from aioelastic._core._watchdog import MAX_BATCH, BinaryStart, watchdog
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -290,3 +293,110 @@ async def test_a_group_whose_binary_cannot_be_executed_raises_its_errno_and_leav
     # The watchdog is still of use: the next group starts.
     result = await aioelastic.run_processes("true", "true", {0: ()}, {0: {}})
     assert not result.is_failed()
+
+
+class _CountingLock:
+    """A real lock that counts the blocking acquisitions other threads attempt on it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.blocking_waits = 0
+        self.refused = 0
+        self.waiting = threading.Event()
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if blocking:
+            self.blocking_waits += 1
+            self.waiting.set()
+        got = self._lock.acquire(blocking)
+        if not got:
+            self.refused += 1
+        return got
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+async def test_a_start_the_event_loop_cannot_send_at_once_goes_from_a_thread(
+    fresh_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The event loop never waits for the watchdog's lock (another thread may hold it for
+    # tens of ms while it starts the watchdog): the batch is sent from a launcher thread,
+    # and the worker starts once the lock is free.
+    watchdog.ensure_started()
+    lock = _CountingLock()
+    monkeypatch.setattr(watchdog, "_lock", lock)
+    lock.acquire()  # held by "another thread" (this one) until a sender waits for it
+    lock.blocking_waits = 0
+    lock.waiting.clear()
+    holder_done = threading.Event()
+
+    def release_when_a_sender_waits() -> None:
+        lock.waiting.wait(30)
+        lock.release()
+        holder_done.set()
+
+    threading.Thread(target=release_when_a_sender_waits, daemon=True).start()
+    devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        with anyio.fail_after(30):
+            launched = await _launchers.BinaryLauncher(os.environ).start(
+                BinaryStart(["/bin/sh", "-c", "exit 7"], {}, devnull, devnull)
+            )
+            assert await launched.watch.wait() == 7
+            await anyio.to_thread.run_sync(holder_done.wait, 30)
+    finally:
+        os.close(devnull)
+    launched.watch.reap()
+    watchdog.forget(launched.pid)
+    assert lock.refused == 1  # the event loop did not wait for it
+    assert lock.blocking_waits == 1  # a launcher thread did
+
+
+async def test_send_batch_refuses_without_waiting_and_leaves_no_fd(fresh_watchdog: None) -> None:
+    fds_before = sorted(os.listdir("/proc/self/fd"))
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    try:
+        start = BinaryStart(["/bin/true"], {}, err_w, err_w)
+        with pytest.raises(BlockingIOError, match="not running"):
+            watchdog.send_batch(dict(os.environ), [start], block=False)
+        watchdog.ensure_started()
+        with watchdog._lock, pytest.raises(BlockingIOError, match="being started"):
+            watchdog.send_batch(dict(os.environ), [start], block=False)
+    finally:
+        os.close(err_r)
+        os.close(err_w)
+    watchdog.stop()
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before
+
+
+async def test_watchdog_dead_before_answering_a_batch_fails_every_start_of_it(
+    fresh_watchdog: None,
+) -> None:
+    # The batch reached the watchdog's socket, but the watchdog died before it made
+    # anything: every start is reported as not started, and nothing is left open.
+    watchdog.ensure_started()
+    assert watchdog.pid is not None
+    devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+    os.kill(watchdog.pid, signal.SIGSTOP)
+    try:
+        starts = [BinaryStart(["/bin/sleep", "600"], {}, devnull, devnull)] * 3
+        batch = watchdog.send_batch(dict(os.environ), starts, block=True)
+        os.kill(watchdog.pid, signal.SIGKILL)
+        started = time.monotonic()
+        outcomes = [o for _ in starts for o in batch.receive(block=True)]
+        batch.close()
+    finally:
+        os.close(devnull)
+    assert time.monotonic() - started < 20
+    assert batch.done
+    assert len(outcomes) == 3
+    for outcome in outcomes:
+        assert isinstance(outcome, RuntimeError)
+        assert "the watchdog died while starting '/bin/sleep'" in str(outcome)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
@@ -67,3 +68,13 @@ def test_a_script_without_a_main_guard_fails_once_per_worker_naming_the_fix(
     # At least the first failing worker's own traceback; the other may have been stopped.
     assert expected in done.stderr, out
     assert "Can't get attribute" not in out
+
+
+@pytest.mark.timeout(30)
+def test_a_fresh_interpreter_is_given_the_directory_that_holds_the_package() -> None:
+    from aioelastic._core._launchers import python_command
+
+    code = python_command("pass")[-1]
+    appended = code.split("sys.path.append(", 1)[1].split(")", 1)[0]
+    directory = Path(ast.literal_eval(appended))
+    assert (directory / "aioelastic" / "__init__.py").is_file()

@@ -10,6 +10,8 @@ event only for a task that waits while it is not set.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import anyio
 import anyio.lowlevel
 
@@ -41,3 +43,16 @@ class LazyEvent:
         if self._event is None:
             self._event = anyio.Event()
         await self._event.wait()
+
+
+async def wait_all(events: Iterable[LazyEvent]) -> None:
+    """Wait until every one of ``events`` is set: one checkpoint, not one per event.
+
+    Teardown waits on an event per worker (exited, settled, each stream closed) that is
+    nearly always set already; a checkpoint for each would cost a turn of the event loop
+    per worker, hundreds of them for a large group.
+    """
+    for event in events:
+        if not event.is_set():
+            await event.wait()
+    await anyio.lowlevel.checkpoint()

@@ -39,6 +39,7 @@ from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
 from ._forkserver import fork_server
 from ._hangs import HangConfig, HangGuard, WorkerHooks
+from ._lazy_event import wait_all
 from ._logs import StreamPump, create_log
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream, StreamOutput
 from ._result_pipe import ResultReceiver
@@ -775,8 +776,7 @@ class PContext:
                 # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
                 # point sees every failure, not a half-reported group.
                 with anyio.move_on_after(REPORT_TIMEOUT + 1):
-                    for worker in self._workers:
-                        await worker.settled.wait()
+                    await wait_all(worker.settled for worker in self._workers)
         finally:
             self._done.set()
             self._stopped.set()
@@ -789,8 +789,7 @@ class PContext:
         # Every writer is dead now, so the pipes reach end-of-file at once — unless a
         # descendant escaped its process group and still holds one.
         with anyio.move_on_after(IO_DRAIN_TIMEOUT):
-            for pump in pumps:
-                await pump.closed.wait()
+            await wait_all(pump.closed for pump in pumps)
         for scope in self._io_scopes:
             scope.cancel()
         for worker in self._workers:

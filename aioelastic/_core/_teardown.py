@@ -23,6 +23,7 @@ import anyio
 import anyio.lowlevel
 
 from . import _platform
+from ._lazy_event import wait_all
 from ._subreaper import sweep_strays
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -117,8 +118,7 @@ async def _groups_empty(
     could not be (no pidfds).
     """
     with anyio.move_on_after(children_timeout if children_timeout is not None else float("inf")):
-        for worker in workers:
-            await worker.exited.wait()
+        await wait_all(worker.exited for worker in workers)
     if not all(worker.exited.is_set() for worker in workers):
         return False
     # Out of file descriptors (EMFILE) neither /proc nor pidfds can be opened: then the

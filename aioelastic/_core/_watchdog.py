@@ -20,6 +20,11 @@ parent that is not passed with each start (resource limits, umask, scheduling) i
 therefore the supervisor's as of the watchdog's start; the current directory, the
 environment and stdio are sent with every start.
 
+One window is left: a worker whose ``posix_spawn`` is under way when the *watchdog*
+itself is SIGKILLed (not the supervisor) exists before its pid could be answered, so
+nobody knows to stop it; the workers answered before are stopped (see
+:class:`SpawnedWatch`) and the rest of the batch is reported as not started.
+
 It runs with ``-I -S`` (no site import, stdlib only; see ``_watchdog_process``). It
 ignores SIGINT and sits in its own process group so that Ctrl-C at a terminal, which
 reaches the supervisor's group, does not remove the safety net first.
@@ -27,6 +32,7 @@ reaches the supervisor's group, does not remove the safety net first.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import atexit
 import marshal
@@ -73,6 +79,15 @@ class BinaryStart:
 Spawned = tuple[int, "SpawnedWatch"] | BaseException
 
 
+def decode_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` as the str mapping a start message carries (bytes keys/values decoded)."""
+    return {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
+
+
+def _rights(fds: Sequence[int]) -> tuple[int, int, bytes]:
+    return (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())
+
+
 def _readable(fd: int) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
@@ -111,6 +126,78 @@ class SpawnedWatch(StatusPipeWatch):
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+class StartBatch:
+    """One start message sent to the watchdog; its answers arrive on a socket of its own.
+
+    The watchdog answers each start, in order, as soon as it is made, and closes the
+    socket after the last: an end-of-file before that means it died, and the starts not
+    answered did not happen. Read on the event loop (``fileno`` readable, then
+    ``receive(block=False)``) or on a thread (``receive(block=True)``).
+    """
+
+    def __init__(
+        self,
+        owner: Watchdog,
+        answers: socket.socket | None,
+        status_rs: list[int],
+        argv0s: list[str],
+        failure: Exception,
+    ) -> None:
+        self._owner = owner
+        self._answers = answers
+        #: Per start, the read end of its status pipe, handed to its watch when answered.
+        self._status_rs = status_rs
+        self._argv0s = argv0s
+        #: What an unanswered start reports (why the batch could not be sent or finished).
+        self._failure = failure
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every start of the batch has its outcome."""
+        return self._next >= len(self._argv0s)
+
+    def fileno(self) -> int:
+        """The answer socket (readable when an answer or the end arrived); -1 if none."""
+        return -1 if self._answers is None else self._answers.fileno()
+
+    def receive(self, *, block: bool) -> list[Spawned]:
+        """The outcomes that arrived: all there are now, or (``block``) the next one."""
+        outcomes: list[Spawned] = []
+        while not self.done and not (block and outcomes):
+            reply = b""
+            if self._answers is not None:
+                try:
+                    reply = self._answers.recv(_MAX_MSG, 0 if block else socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                except OSError:
+                    pass  # as an end-of-file: the watchdog is gone
+            index = self._next
+            self._next += 1
+            status_r = self._status_rs[index] if index < len(self._status_rs) else -1
+            if reply:
+                answer = marshal.loads(reply)
+                outcomes.append(self._owner._spawned_one(answer, status_r, self._argv0s[index]))
+                continue
+            if self._answers is not None:
+                self._answers.close()
+                self._answers = None
+            if status_r >= 0:
+                os.close(status_r)
+            outcomes.append(self._failure)
+        return outcomes
+
+    def close(self) -> None:
+        """Close the answer socket and the status pipes of starts not answered yet."""
+        if self._answers is not None:
+            self._answers.close()
+            self._answers = None
+        for status_r in self._status_rs[self._next :]:
+            os.close(status_r)
+        self._status_rs = self._status_rs[: self._next]
 
 
 class Watchdog:
@@ -173,7 +260,8 @@ class Watchdog:
         One message per :data:`MAX_BATCH` starts, not per worker; the watchdog answers
         each start as soon as it is made, so ``on_spawned`` can put the first workers to
         use while it still spawns the others. The stdio fds of each start are sent, not
-        taken over (the caller still closes them).
+        taken over (the caller still closes them). The event loop's way is
+        :meth:`send_batch` and reading the answers as they arrive.
 
         Args:
             base_env: The environment every worker starts from (sent once per message).
@@ -186,32 +274,62 @@ class Watchdog:
             an :class:`OSError` with the errno of ``posix_spawn`` (the binary could not be
             executed), a :class:`RuntimeError` (the watchdog died while starting it).
         """
-        base = {os.fsdecode(k): os.fsdecode(v) for k, v in base_env.items()}
+        base = decode_env(base_env)
         spawned: list[Spawned] = []
-
-        def report(outcome: Spawned) -> None:
-            if on_spawned is not None:
-                on_spawned(len(spawned), outcome)
-            spawned.append(outcome)
-
         for first in range(0, len(starts), MAX_BATCH):
-            self._spawn_batch(base, starts[first : first + MAX_BATCH], report)
+            batch = self.send_batch(base, starts[first : first + MAX_BATCH], block=True)
+            try:
+                while not batch.done:
+                    for outcome in batch.receive(block=True):
+                        if on_spawned is not None:
+                            on_spawned(len(spawned), outcome)
+                        spawned.append(outcome)
+            finally:
+                batch.close()
         return spawned
 
-    def _spawn_batch(
-        self,
-        base_env: dict[str, str],
-        batch: Sequence[BinaryStart],
-        report: Callable[[Spawned], None],
-    ) -> None:
+    def send_batch(
+        self, base_env: dict[str, str], batch: Sequence[BinaryStart], *, block: bool
+    ) -> StartBatch:
+        """Send one start message (at most :data:`MAX_BATCH` starts); its answers follow.
+
+        With ``block=False`` (the event loop's call) nothing waits: if the watchdog is
+        not running, another thread holds it, or its socket is full, this raises
+        :class:`BlockingIOError` having sent nothing, and the caller sends from a
+        launcher thread with ``block=True`` instead (which also starts the watchdog:
+        its parent-death signal follows the thread that started it).
+
+        Raises:
+            BlockingIOError: only with ``block=False``, see above.
+        """
+        if block:
+            with self._lock:
+                return self._send_batch_locked(base_env, batch, block)
+        # The event loop never waits for the lock: a launcher thread may hold it while
+        # it starts the watchdog (tens of milliseconds).
+        if not self._lock.acquire(blocking=False):
+            raise BlockingIOError("the watchdog is being started")
+        try:
+            if not self._running():
+                raise BlockingIOError("the watchdog is not running")
+            return self._send_batch_locked(base_env, batch, block)
+        finally:
+            self._lock.release()
+
+    def _send_batch_locked(
+        self, base_env: dict[str, str], batch: Sequence[BinaryStart], block: bool
+    ) -> StartBatch:
         entries = []
         fds: list[int] = []
         status_rs: list[int] = []
+        answers: socket.socket | None = None
         # Made here and closed below on every path: sent fds are the watchdog's copies.
         ours: list[int] = []
         try:
+            answers, their_answers = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            ours.append(their_answers.detach())
             ours.append(os.open(".", os.O_PATH | os.O_CLOEXEC))
-            fds.append(ours[-1])
+            fds += (ours[-1], ours[-2])
             for start in batch:
                 status_r, status_w = os.pipe2(os.O_CLOEXEC)
                 status_rs.append(status_r)
@@ -224,45 +342,47 @@ class Watchdog:
         except BaseException as exc:
             for fd in [*status_rs, *ours]:
                 os.close(fd)
+            if answers is not None:
+                answers.close()
             if not isinstance(exc, Exception):
                 raise
-            for _ in batch:
-                report(exc)
-            return
-        failure: Exception = RuntimeError(f"the watchdog died while starting {entries[0][0][0]!r}")
-        with self._lock:
-            sock: socket.socket | None
-            try:
-                sock = self._send_batch(marshal.dumps((base_env, entries)), fds)
-            except Exception as exc:
-                sock, failure = None, exc
-            finally:
-                for fd in ours:
+            return StartBatch(self, None, [], [str(s.argv[0]) for s in batch], exc)
+        argv0s = [argv[0] for argv, _, _ in entries]
+        failure: Exception = RuntimeError(f"the watchdog died while starting {argv0s[0]!r}")
+        sent: socket.socket | None = answers
+        try:
+            self._send_start(marshal.dumps((base_env, entries)), fds, block)
+        except Exception as exc:
+            answers.close()
+            if isinstance(exc, BlockingIOError) and not block:
+                for fd in status_rs:
                     os.close(fd)
-            for status_r, (argv, _, _) in zip(status_rs, entries, strict=True):
-                reply = sock.recv(_MAX_MSG) if sock is not None else b""
-                if reply:
-                    report(self._spawned_one(marshal.loads(reply), status_r, argv[0]))
-                    continue
-                sock = None  # the rest of the batch was not started either
-                os.close(status_r)
-                report(failure)
+                raise BlockingIOError("the watchdog's socket is full") from None
+            sent, failure = None, exc
+        finally:
+            for fd in ours:
+                os.close(fd)
+        return StartBatch(self, sent, status_rs, argv0s, failure)
 
-    def _send_batch(self, body: bytes, fds: list[int]) -> socket.socket:
-        sock = self._ensure_started()
+    def _running(self) -> bool:
+        return self._sock is not None and self._popen is not None and self._popen.poll() is None
+
+    def _send_start(self, body: bytes, fds: list[int], block: bool) -> None:
+        sock = self._ensure_started() if block else self._sock
+        assert sock is not None
+        flags = 0 if block else socket.MSG_DONTWAIT
         if len(body) < _INLINE_MAX:
-            socket.send_fds(sock, [b"B" + body], fds)
-        else:
-            # Larger than one datagram may be (the socket's send buffer): a memfd.
-            memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
-            try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(memfd, view) :]
-                socket.send_fds(sock, [b"M"], [*fds, memfd])
-            finally:
-                os.close(memfd)
-        return sock
+            sock.sendmsg([b"B" + body], [_rights(fds)], flags)
+            return
+        # Larger than one datagram may be (the socket's send buffer): a memfd.
+        memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
+        try:
+            view = memoryview(body)
+            while view:
+                view = view[os.write(memfd, view) :]
+            sock.sendmsg([b"M"], [_rights([*fds, memfd])], flags)
+        finally:
+            os.close(memfd)
 
     def _spawned_one(self, answer: tuple[Any, ...], status_r: int, argv0: str) -> Spawned:
         if answer[0] != "P":

@@ -8,15 +8,19 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 
 * ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
 * ``B`` + a marshalled ``(base_env, [(argv, env_overrides, has_stdin), ...])`` + fds:
-  the cwd (``O_PATH``) once, then 3 per entry [stdout, stderr, status_w] and stdin as a
-  4th when ``has_stdin`` (else /dev/null) (``M`` + the same with the body in a memfd, the
-  last fd, when it is too large for one message): start binary workers with
+  the cwd (``O_PATH``) and the batch's answer socket once, then 3 per entry [stdout,
+  stderr, status_w] and stdin as a 4th when ``has_stdin`` (else /dev/null) (``M`` + the
+  same with the body in a memfd, the last fd, when it is too large for one message):
+  start binary workers with
   ``posix_spawn`` (a vfork: its cost does not grow with the size of any process), each in
   a new process group with default signal dispositions and an empty signal mask, with the
   environment ``{**base_env, **env_overrides}`` (a group's workers share all but a few
-  variables: the common part travels once per message). Each entry is answered by a
-  message of its own as soon as it is done, a marshalled ``("P", pid)`` or ``("E",
-  errno, message)``, in order. Each group
+  variables: the common part travels once per message). Each entry is answered on the
+  batch's answer socket, as soon as it is done, by a marshalled ``("P", pid)`` or
+  ``("E", errno, message)``, in order; the socket is closed after the last answer (an
+  end-of-file before that: the watchdog died). An answer socket per batch, not this
+  socket: the supervisor's event loop reads it without a thread, and batches of
+  different loops never share a stream. Each group
   is watched before the parent-death signal can be handled, so a supervisor SIGKILLed at
   any point of the start leaves no orphan. The exit status is written to ``status_w``
   when the worker exits; the worker stays unreaped (its pid, hence its group id, cannot
@@ -44,8 +48,8 @@ import sys
 import threading
 
 _MAX_MSG = 1 << 20
-#: Starts per message: 3 or 4 fds each and 2 more, under the kernel's 253 fds per
-#: SCM_RIGHTS message.
+#: Starts per message: 3 or 4 fds each and 3 more (cwd, answer socket, memfd), under the
+#: kernel's 253 fds per SCM_RIGHTS message.
 MAX_BATCH = 62
 _STATUS = struct.Struct("=i")
 _DEATH_SIGNAL = signal.SIGUSR1
@@ -73,6 +77,13 @@ def _read_all(fd: int) -> bytes:
         chunks.append(chunk)
     os.close(fd)
     return b"".join(chunks)
+
+
+def _answer(fd: int, answer: tuple[str, int] | tuple[str, int, str]) -> None:
+    try:
+        os.write(fd, marshal.dumps(answer))
+    except OSError:
+        pass  # the supervisor is gone: the rest of the batch is started, then killed
 
 
 def _returncode(info: os.waitid_result) -> int:
@@ -119,7 +130,7 @@ class _Server:
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
                 _MAX_MSG,
-                socket.CMSG_LEN((4 * MAX_BATCH + 2) * fds.itemsize),
+                socket.CMSG_LEN((4 * MAX_BATCH + 3) * fds.itemsize),
                 socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
@@ -146,7 +157,7 @@ class _Server:
 
     def _spawn_batch(self, body: bytes, fds: list[int]) -> None:
         base_env, requests = marshal.loads(body)
-        cwd_fd, *fds = fds
+        cwd_fd, answer_fd, *fds = fds
         # A SIGKILLed supervisor must find every new group in `groups`: hold the
         # parent-death signal from before the first process exists until the last is
         # recorded. Fallback waiter threads are created meanwhile and inherit the block:
@@ -168,7 +179,7 @@ class _Server:
                     pid = self._spawn(argv, env, stdout_fd, stderr_fd, stdin_fd)
                 except OSError as exc:
                     os.close(status_w)
-                    self._answer(("E", exc.errno or errno.EIO, str(exc)))
+                    _answer(answer_fd, ("E", exc.errno or errno.EIO, str(exc)))
                     continue
                 finally:
                     for fd in (stdout_fd, stderr_fd, stdin_fd):
@@ -176,15 +187,10 @@ class _Server:
                             os.close(fd)
                 self._watch_exit(pid, status_w)
                 # Answered at once: the supervisor sets this worker up while we spawn on.
-                self._answer(("P", pid))
+                _answer(answer_fd, ("P", pid))
         finally:
+            os.close(answer_fd)  # the end-of-file tells the supervisor the batch is done
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
-
-    def _answer(self, answer: tuple[str, int] | tuple[str, int, str]) -> None:
-        try:
-            self._sock.sendmsg([marshal.dumps(answer)])
-        except OSError:
-            pass  # the supervisor is gone: the rest of the batch is started, then killed
 
     def _spawn(
         self,
