@@ -8,20 +8,28 @@ guarantee as for our own children.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
-* client -> server ``C<pickled call>`` + fds [stderr_w, result_w, status_w, stdout_w]:
-  fork a worker; the server answers ``P<pid>``. The call travels in the message, so the
+* client -> server ``C<pickled call>`` + fds [answer, stderr_w, result_w, status_w,
+  stdout_w]: fork a worker; the server answers ``P<pid>`` on ``answer``, a socket of this
+  request's own, and closes it. Requests are pipelined: the supervisor's event loop sends
+  every worker's request at once and reads each answer from its socket (no thread, and
+  the server forks back to back instead of waiting for a round trip per worker); an
+  end-of-file on ``answer`` before an answer means the server died. The call travels in
+  the message, so the
   worker finds it in the memory it shares with the server at the fork and unpickles it
   at once: no pipe, and no wait for the supervisor's event loop to write one. The server
   keeps ``status_w`` and writes the exit status there when the worker exits (so the
   supervisor waits on a pipe only it and the server hold).
-* client -> server ``S`` + fds [stderr_w, result_w, status_w, stdout_w, payload_r]: the
-  same for a call too large for one message; the worker reads it from ``payload_r``,
-  which the supervisor feeds.
+* client -> server ``S`` + fds [answer, stderr_w, result_w, status_w, stdout_w,
+  payload_r]: the same for a call too large for one message; the worker reads it from
+  ``payload_r``, which the supervisor feeds.
 * client -> server ``R<pid>``: reap that worker now (no answer).
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
-* server -> client ``E<text>``: the setup or a fork failed (the server carries on after a
-  failed fork); ``U<text>``: the preload left it unsafe to fork (threads, CUDA).
+* server -> client ``E<text>`` (on the request's answer socket, or on this one at
+  setup): a fork or the setup failed (the server carries on after a failed fork);
+  ``U<text>``: the preload left it unsafe to fork (threads, CUDA). The server keeps one
+  fd spare, closed only while it receives a request, so that even at its open-file limit
+  the answer socket (the first fd) arrives and the error can be told.
 
 A server that died (killed, crashed) is noticed by the next start — its pid is gone, or the
 socket reports a broken pipe, a reset or end-of-file — and replaced by a fresh one; the
@@ -30,8 +38,10 @@ start is retried once on it.
 
 from __future__ import annotations
 
+import array
 import atexit
 import errno
+import functools
 import logging
 import multiprocessing.spawn
 import os
@@ -111,6 +121,20 @@ def _reply_error(sock: socket.socket, text: str) -> None:
     sock.sendmsg([b"E" + text.encode(errors="replace")[: _MAX_MSG - 1]])
 
 
+def _answer(fd: int, answer: bytes) -> None:
+    """Answer a request on its own socket, then close it (the supervisor may be gone)."""
+    try:
+        os.write(fd, answer[:_MAX_MSG])
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _answer_error(fd: int, text: str) -> None:
+    _answer(fd, b"E" + text.encode(errors="replace"))
+
+
 def main(control_fd: int, parent_pid: int) -> None:
     """Entry point of the fork-server process."""
     _platform.die_with_parent(parent_pid)
@@ -119,6 +143,8 @@ def main(control_fd: int, parent_pid: int) -> None:
     # must leave the decision to the supervisor. (Workers reset SIGINT for themselves.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control_fd)
+    # Opened before the preload, which may use every other fd up to the limit.
+    spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     setup_msg, _, _, _ = sock.recvmsg(_MAX_MSG)
     prep_data, preload = pickle.loads(setup_msg)
     try:
@@ -131,7 +157,7 @@ def main(control_fd: int, parent_pid: int) -> None:
         _reply_error(sock, traceback.format_exc())
         return
     sock.sendmsg([b"K"])
-    _Server(sock).serve()
+    _Server(sock, spare).serve()
     # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
     # while the supervisor waits for us (stop(), its own exit) or starts a fresh server
     # beside us. Nothing here needs flushing or releasing: the kernel closes the rest.
@@ -147,8 +173,10 @@ class _Child:
 class _Server:
     """The fork server's loop: fork on request, report exits, reap on release."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, spare: int) -> None:
         self._sock = sock
+        #: A spare fd, closed only while a request is received (see the protocol).
+        self._spare: int | None = spare
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, _Child] = {}
         self._lock = threading.Lock()  # guards status writes from fallback threads
@@ -164,6 +192,9 @@ class _Server:
                     self._report_exit(key.data)
 
     def _handle_request(self) -> bool:
+        if self._spare is not None:
+            os.close(self._spare)
+            self._spare = None
         try:
             msg, fds, flags, _ = socket.recv_fds(self._sock, _MAX_MSG, 8)
         except ConnectionResetError:
@@ -172,30 +203,40 @@ class _Server:
             return False
         kind = msg[:1]
         if kind in (b"C", b"S"):
-            expected = 4 if kind == b"C" else 5
-            problem = None
-            if len(fds) < expected:
-                # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
-                problem = (
-                    f"the fork server received {len(fds)} of the {expected} pipes of a "
-                    "worker: its open-file limit (`ulimit -n`, RLIMIT_NOFILE) may be reached"
-                )
-            elif flags & socket.MSG_TRUNC:
-                problem = f"a start request exceeded the fork server's {_MAX_MSG} bytes"
-            if problem is not None:
-                for received in fds:
-                    os.close(received)
-                _reply_error(self._sock, problem)
-                return True
-            self._fork_worker(fds, msg[1:] if kind == b"C" else None)
+            self._start_request(kind, msg, fds, flags)
         elif kind == b"R":
             self._reap(int(msg[1:]))
+        try:
+            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # at the limit with workers' fds: the next request frees one first
         return True
 
+    def _start_request(self, kind: bytes, msg: bytes, fds: list[int], flags: int) -> None:
+        expected = 5 if kind == b"C" else 6
+        problem = None
+        if len(fds) < expected:
+            # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
+            problem = (
+                f"the fork server received {max(len(fds) - 1, 0)} of the {expected - 1} "
+                "pipes of a worker: its open-file limit (`ulimit -n`, RLIMIT_NOFILE) may "
+                "be reached"
+            )
+        elif flags & socket.MSG_TRUNC:
+            problem = f"a start request exceeded the fork server's {_MAX_MSG} bytes"
+        if problem is None:
+            self._fork_worker(fds, msg[1:] if kind == b"C" else None)
+            return
+        answer_fd, *rest = fds or [-1]
+        for received in rest:
+            os.close(received)
+        if answer_fd >= 0:
+            _answer_error(answer_fd, problem)
+
     def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
-        stderr_w, result_w, status_w, stdout_w, *rest = fds
+        answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = fds
         payload_r = rest[0] if rest else None
-        private = [self._sock.fileno(), self._selector.fileno()]
+        private = [self._sock.fileno(), self._selector.fileno(), answer_fd]
         for child in self._children.values():
             private.append(child.status_fd)
             if child.pidfd is not None:
@@ -206,9 +247,9 @@ class _Server:
             pid = os.fork()
         except OSError as e:
             # EAGAIN (RLIMIT_NPROC, pids.max) or ENOMEM: this start fails, the server lives.
-            for received in fds:
+            for received in fds[1:]:
                 os.close(received)
-            _reply_error(self._sock, _fork_error_text(e))
+            _answer_error(answer_fd, _fork_error_text(e))
             return
         if pid == 0:
             try:
@@ -243,12 +284,12 @@ class _Server:
             if watched is not None and watched.pidfd is not None:
                 os.close(watched.pidfd)
             os.close(status_w)
-            _reply_error(
-                self._sock,
+            _answer_error(
+                answer_fd,
                 f"the fork server could not watch the worker it forked: {type(e).__name__}: {e}",
             )
             return
-        self._sock.sendmsg([b"P%d" % pid])
+        _answer(answer_fd, b"P%d" % pid)
 
     def _watch(self, pid: int, status_w: int) -> None:
         try:
@@ -308,6 +349,21 @@ class _Server:
 
 
 @dataclass
+class _Request:
+    """A start request sent to the server: where its answer comes, and our ends of its pipes."""
+
+    answers: socket.socket
+    status_r: int
+    payload_w: int | None
+
+    def close(self) -> None:
+        """Close our ends (the request failed: no worker will use them)."""
+        os.close(self.status_r)
+        if self.payload_w is not None:
+            os.close(self.payload_w)
+
+
+@dataclass
 class _Starting:
     """One start of a server, as seen by the tasks waiting for it."""
 
@@ -326,8 +382,6 @@ class ForkServer:
         self._pid: int | None = None
         # Guards the fields; held briefly, also from the event loop.
         self._lock = threading.Lock()
-        # One request/answer exchange at a time on the socket (launcher threads only).
-        self._talk = threading.Lock()
         # While one task starts the server, the others wait for it here.
         self._starting: _Starting | None = None
 
@@ -357,9 +411,7 @@ class ForkServer:
         for attempt in (1, 2):
             sock = await self._running()
             try:
-                return await on_launcher_thread(
-                    self._request_worker, sock, stdout_fd, stderr_fd, result_fd, call
-                )
+                return await self._request_worker(sock, stdout_fd, stderr_fd, result_fd, call)
             except _ServerGone as gone:
                 pid = self._discard(sock)
                 if attempt == 2:
@@ -456,7 +508,7 @@ class ForkServer:
             )
         return ours, popen
 
-    def _request_worker(
+    async def _request_worker(
         self,
         sock: socket.socket,
         stdout_fd: int | None,
@@ -464,52 +516,84 @@ class ForkServer:
         result_fd: int,
         call: bytes,
     ) -> Launched:
-        """Blocking (a launcher thread): one start request and its answer."""
-        status_r, status_w = os.pipe2(os.O_CLOEXEC)
-        # With no stdout_fd: *our* current stdout, not the one the server started with.
-        fds = [stderr_fd, result_fd, status_w, 1 if stdout_fd is None else stdout_fd]
-        message = b"C" + call
-        payload_r = payload_w = None
-        if len(call) > INLINE_CALL_MAX:
-            try:
-                payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
-            except BaseException:
-                os.close(status_r)
-                os.close(status_w)
-                raise
-            fds.append(payload_r)
-            message = b"S"
+        """One start request, sent from the event loop, and its answer."""
+        args = (sock, stdout_fd, stderr_fd, result_fd, call)
         try:
-            with self._talk:
-                if sock is not self._sock:
-                    raise _ServerGone("it was replaced")
-                try:
-                    socket.send_fds(sock, [message], fds)
-                    answer = sock.recv(_MAX_MSG)
-                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
-                    raise _ServerGone(f"{type(e).__name__} on its socket") from e
-                except OSError as e:
-                    if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN):
-                        raise _ServerGone(f"{type(e).__name__} on its socket") from e
-                    raise
-                if not answer:
-                    raise _ServerGone("end-of-file on its socket")
-        except BaseException:
-            if payload_w is not None:
-                os.close(payload_w)
-            os.close(status_r)
-            raise
-        finally:
-            if payload_r is not None:
-                os.close(payload_r)
-            os.close(status_w)
+            request = self._send_request(*args, block=False)
+        except BlockingIOError:
+            # The server's socket is full (many large requests queued): wait on a thread.
+            request = await on_launcher_thread(
+                functools.partial(self._send_request, block=True), *args
+            )
+        # Shielded: once the request is sent, a worker may exist; it must reach the caller.
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.wait_readable(request.answers)
+                answer = request.answers.recv(_MAX_MSG)
+            except OSError:
+                answer = b""
+            finally:
+                request.answers.close()
         if not answer.startswith(b"P"):
-            if payload_w is not None:
-                os.close(payload_w)
-            os.close(status_r)
+            request.close()
+            if not answer:
+                raise _ServerGone("end-of-file on its socket")
             raise ForkServerError(answer[1:].decode(errors="replace"))
         pid = int(answer[1:])
-        return Launched(pid, StatusPipeWatch(pid, status_r, self._release), payload_fd=payload_w)
+        watch = StatusPipeWatch(pid, request.status_r, self._release)
+        return Launched(pid, watch, payload_fd=request.payload_w)
+
+    def _send_request(
+        self,
+        sock: socket.socket,
+        stdout_fd: int | None,
+        stderr_fd: int,
+        result_fd: int,
+        call: bytes,
+        *,
+        block: bool,
+    ) -> _Request:
+        """Send one start request; with ``block=False`` raise BlockingIOError if it would wait."""
+        answers, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        status_r = status_w = payload_r = payload_w = -1
+        try:
+            status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            # With no stdout_fd: *our* current stdout, not the one the server started with.
+            out = 1 if stdout_fd is None else stdout_fd
+            fds = [theirs.fileno(), stderr_fd, result_fd, status_w, out]
+            message = b"C" + call
+            if len(call) > INLINE_CALL_MAX:
+                payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
+                fds.append(payload_r)
+                message = b"S"
+            if sock is not self._sock:
+                raise _ServerGone("it was replaced")
+            try:
+                sock.sendmsg(
+                    [message],
+                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())],
+                    0 if block else socket.MSG_DONTWAIT,
+                )
+            except BlockingIOError:
+                raise
+            except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
+                raise _ServerGone(f"{type(e).__name__} on its socket") from e
+            except OSError as e:
+                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN):
+                    raise _ServerGone(f"{type(e).__name__} on its socket") from e
+                raise
+        except BaseException:
+            answers.close()
+            for fd in (status_r, payload_w):
+                if fd >= 0:
+                    os.close(fd)
+            raise
+        finally:
+            theirs.close()
+            for fd in (status_w, payload_r):
+                if fd >= 0:
+                    os.close(fd)
+        return _Request(answers, status_r, None if payload_w < 0 else payload_w)
 
     def _discard(self, sock: socket.socket) -> int | None:
         """Forget the dead server behind ``sock`` (kill and reap it); returns its pid."""
