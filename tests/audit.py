@@ -94,11 +94,28 @@ def fork_server_pids() -> list[int]:
     return list(_forkserver.running_server_pids())
 
 
+def spare_pids() -> list[int]:
+    """The spare workers the warm fork servers keep forked ahead (waiting, not workers)."""
+    from aioelastic._core._forkserver import SPARE_NAME
+
+    spares = []
+    for server in fork_server_pids():
+        for pid in live_children(server):
+            try:
+                with open(f"/proc/{pid}/comm") as f:
+                    if f.read().rstrip("\n") == SPARE_NAME:
+                        spares.append(pid)
+            except OSError:
+                pass
+    return spares
+
+
 def long_lived_pids() -> set[int]:
     """Processes aioelastic keeps on purpose between runs (warm fork servers, watchdog)."""
     from aioelastic._core._watchdog import watchdog
 
     pids = set(fork_server_pids())
+    pids.update(spare_pids())
     if watchdog.pid is not None:
         pids.add(watchdog.pid)
     return pids

@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
+from aioelastic._core._forkserver import INLINE_CALL_MAX, SPARE_NAME, ForkServerError, fork_server
+from tests.audit import spare_pids
 from tests.children import core
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 
@@ -284,3 +285,90 @@ async def test_stopping_a_server_does_not_wait_for_its_preload_to_finalise() -> 
     fork_server(preload).stop(timeout=30)
     assert time.monotonic() - started < 10
     assert process_state(server) is None
+
+
+async def whoami_on_server(
+    name: str, preload: tuple[str, ...], values: list[str]
+) -> dict[int, dict[str, object]]:
+    result = await aioelastic.run_processes(
+        name,
+        core.whoami,
+        {rank: ("X",) for rank in range(len(values))},
+        {rank: {"X": value} for rank, value in enumerate(values)},
+        start_method="forkserver",
+        forkserver_preload=preload,
+    )
+    assert not result.is_failed(), result.failures
+    return result.return_values
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_the_next_start_of_a_group_takes_its_workers_from_spares_forked_ahead() -> None:
+    preload = ("tests.children.core",)
+    try:
+        await whoami_on_server("first", preload, ["a", "b"])
+        server = fork_server(preload)
+        with anyio.fail_after(30):
+            assert await server.spares_ready() == 2
+        spares = set(spare_pids())
+        assert len(spares) == 2
+        start = time.monotonic()
+        second = await whoami_on_server("second", preload, ["c", "d"])
+        assert time.monotonic() - start < 30
+        # The spares became the workers, each exactly as a fork at its request would be.
+        assert {info["pid"] for info in second.values()} == spares
+        for rank, info in second.items():
+            assert info["env"] == "cd"[rank]
+            assert info["pgid"] == info["pid"]
+            assert info["ppid"] == server.pid
+            assert info["sigint"] == "default_int_handler"
+            assert info["sigterm"] is True
+            assert info["comm"] != SPARE_NAME
+            assert info["cwd"] == os.getcwd()
+        for pid in spares:
+            assert process_state(pid) is None  # exited and reaped
+    finally:
+        _stop(preload)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_spare_killed_while_idle_is_reaped_and_the_start_still_works() -> None:
+    preload = ("tests.children.core",)
+    try:
+        await whoami_on_server("first", preload, ["a", "b"])
+        with anyio.fail_after(30):
+            assert await fork_server(preload).spares_ready() == 2
+        victim, *_ = spare_pids()
+        os.kill(victim, signal.SIGKILL)
+        second = await whoami_on_server("second", preload, ["c", "d"])
+        assert victim not in {info["pid"] for info in second.values()}
+        assert [second[r]["env"] for r in (0, 1)] == ["c", "d"]
+        assert process_state(victim) is None  # the server reaped it when it tried it
+    finally:
+        _stop(preload)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_spares_are_let_go_when_no_longer_wanted_and_die_with_their_server() -> None:
+    preload = ("tests.children.core",)
+    try:
+        await whoami_on_server("first", preload, ["a", "b", "c"])
+        server = fork_server(preload)
+        with anyio.fail_after(30):
+            assert await server.spares_ready() == 3
+        first_spares = spare_pids()
+        server.keep_spares(1)
+        with anyio.fail_after(30):
+            assert await server.spares_ready() == 1
+        (kept,) = spare_pids()
+        for pid in first_spares:
+            if pid != kept:
+                await wait_gone(pid)
+                assert process_state(pid) is None  # reaped by the server, not a zombie
+        server.stop()
+        await wait_gone(kept)
+    finally:
+        _stop(preload)

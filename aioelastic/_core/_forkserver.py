@@ -23,6 +23,10 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
   payload_r]: the same for a call too large for one message; the worker reads it from
   ``payload_r``, which the supervisor feeds.
 * client -> server ``R<pid>``: reap that worker now (no answer).
+* client -> server ``W<count>``: keep ``count`` spare workers (at most ``MAX_SPARES``):
+  forked ahead while the server is idle, each waits on a socket of its own and becomes
+  the worker of the next start request, which then costs no fork. ``Q`` + fds [answer]:
+  make the spares now and answer their number.
 * end-of-file on the socket: the supervisor is gone; the server exits, and its workers
   follow through their parent-death signal.
 * server -> client ``E<text>`` (on the request's answer socket, or on this one at
@@ -42,6 +46,7 @@ import array
 import atexit
 import errno
 import functools
+import gc
 import logging
 import multiprocessing.spawn
 import os
@@ -52,6 +57,7 @@ import signal
 import socket
 import subprocess
 import threading
+import time
 import traceback
 from dataclasses import dataclass, field
 
@@ -144,7 +150,7 @@ def main(control_fd: int, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control_fd)
     # Opened before the preload, which may use every other fd up to the limit.
-    spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     setup_msg, _, _, _ = sock.recvmsg(_MAX_MSG)
     prep_data, preload = pickle.loads(setup_msg)
     try:
@@ -156,12 +162,62 @@ def main(control_fd: int, parent_pid: int) -> None:
     except BaseException:
         _reply_error(sock, traceback.format_exc())
         return
+    # Every object the preload made is moved out of the collector's reach: a worker's
+    # first collections would otherwise walk (and so copy, page by page, from the
+    # memory it shares with us) every object of torch's import.
+    gc.collect()
+    gc.freeze()
     sock.sendmsg([b"K"])
-    _Server(sock, spare).serve()
+    _Server(sock, reserve).serve()
     # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
     # while the supervisor waits for us (stop(), its own exit) or starts a fresh server
     # beside us. Nothing here needs flushing or releasing: the kernel closes the rest.
     os._exit(0)
+
+
+#: The most spare workers a server keeps forked ahead.
+MAX_SPARES = 64
+#: A spare is forked only once no request came for this long (seconds).
+_SPARE_QUIET = 0.02
+#: The name a waiting spare shows in ``ps`` (``/proc/PID/comm``, 15 characters at most).
+SPARE_NAME = "aioelastic-spare"[:15]
+
+
+@dataclass
+class _Spare:
+    """A worker forked ahead of its request, waiting on ``sock`` for its call and stdio."""
+
+    pid: int
+    sock: socket.socket
+
+
+def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: str) -> None:
+    """Body of a spare: wait for a start request, then become that worker (never returns)."""
+    for fd in private:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _platform.die_with_parent(server_pid)
+    try:
+        msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
+    except OSError:
+        os._exit(0)
+    if not msg:
+        os._exit(0)  # the server let us go (or died): no worker to become
+    _platform.set_process_name(name)
+    from ._bootstrap import forked_worker
+
+    stderr_w, result_w, stdout_w, *rest = fds
+    forked_worker(
+        parent_pid=server_pid,
+        stdout_fd=stdout_w,
+        stderr_fd=stderr_w,
+        result_fd=result_w,
+        close_fds=[sock.fileno()],
+        payload=msg[1:] if msg[:1] == b"C" else None,
+        payload_fd=rest[0] if rest else None,
+    )
 
 
 @dataclass
@@ -173,18 +229,33 @@ class _Child:
 class _Server:
     """The fork server's loop: fork on request, report exits, reap on release."""
 
-    def __init__(self, sock: socket.socket, spare: int) -> None:
+    def __init__(self, sock: socket.socket, reserve: int) -> None:
         self._sock = sock
-        #: A spare fd, closed only while a request is received (see the protocol).
-        self._spare: int | None = spare
+        #: An fd kept free, closed only while a request is received (see the protocol).
+        self._reserve: int | None = reserve
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, _Child] = {}
         self._lock = threading.Lock()  # guards status writes from fallback threads
+        #: Workers forked ahead, each waiting on its socket for a call (see _Spare).
+        self._spares: list[_Spare] = []
+        #: How many spares to keep (the supervisor's last ``W``), and whether making one
+        #: failed (then none is made until the next request).
+        self._spare_target = 0
+        self._spares_failed = False
+        self._last_request = 0.0
 
     def serve(self) -> None:
         self._selector.register(self._sock, selectors.EVENT_READ, None)
         while True:
-            for key, _ in self._selector.select():
+            # A spare is forked only while nothing else is asked of us (timeout 0), and
+            # not within _SPARE_QUIET of a request: a group's requests arrive a few at a
+            # time, and each must find the server free, not in the middle of a fork.
+            short = len(self._spares) < self._spare_target and not self._spares_failed
+            quiet = self._last_request + _SPARE_QUIET - time.monotonic()
+            events = self._selector.select(max(quiet, 0) if short else None)
+            if not events and short:
+                self._fork_spare()
+            for key, _ in events:
                 if key.data is None:
                     if not self._handle_request():
                         return
@@ -192,9 +263,10 @@ class _Server:
                     self._report_exit(key.data)
 
     def _handle_request(self) -> bool:
-        if self._spare is not None:
-            os.close(self._spare)
-            self._spare = None
+        self._last_request = time.monotonic()
+        if self._reserve is not None:
+            os.close(self._reserve)
+            self._reserve = None
         try:
             msg, fds, flags, _ = socket.recv_fds(self._sock, _MAX_MSG, 8)
         except ConnectionResetError:
@@ -206,8 +278,19 @@ class _Server:
             self._start_request(kind, msg, fds, flags)
         elif kind == b"R":
             self._reap(int(msg[1:]))
+        elif kind == b"W":
+            self._spare_target = min(int(msg[1:]), MAX_SPARES)
+            self._spares_failed = False
+            self._drop_spares(self._spare_target)
+        elif kind == b"Q" and fds:
+            # Make the spares now, not when idle, and say how many there are.
+            while len(self._spares) < self._spare_target and not self._spares_failed:
+                self._fork_spare()
+            for extra in fds[1:]:
+                os.close(extra)
+            _answer(fds[0], b"%d" % len(self._spares))
         try:
-            self._spare = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            self._reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             pass  # at the limit with workers' fds: the next request frees one first
         return True
@@ -233,15 +316,27 @@ class _Server:
         if answer_fd >= 0:
             _answer_error(answer_fd, problem)
 
-    def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
-        answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = fds
-        payload_r = rest[0] if rest else None
-        private = [self._sock.fileno(), self._selector.fileno(), answer_fd]
+    def _private_fds(self) -> list[int]:
+        """The server's own fds, which a forked worker or spare must not keep."""
+        private = [self._sock.fileno(), self._selector.fileno()]
         for child in self._children.values():
             private.append(child.status_fd)
             if child.pidfd is not None:
                 private.append(child.pidfd)
-        private.append(status_w)
+        private += (spare.sock.fileno() for spare in self._spares)
+        if self._reserve is not None:
+            private.append(self._reserve)
+        return private
+
+    def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
+        self._spares_failed = False
+        answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = fds
+        payload_r = rest[0] if rest else None
+        pid = self._hand_to_spare(fds, call)
+        if pid is not None:
+            self._watch_worker(pid, answer_fd, status_w)
+            return
+        private = [*self._private_fds(), answer_fd, status_w]
         server_pid = os.getpid()
         try:
             pid = os.fork()
@@ -274,6 +369,9 @@ class _Server:
         for fd in (payload_r, stderr_w, result_w, stdout_w):
             if fd is not None:
                 os.close(fd)
+        self._watch_worker(pid, answer_fd, status_w)
+
+    def _watch_worker(self, pid: int, answer_fd: int, status_w: int) -> None:
         try:
             self._watch(pid, status_w)
         except Exception as e:
@@ -290,6 +388,62 @@ class _Server:
             )
             return
         _answer(answer_fd, b"P%d" % pid)
+
+    def _fork_spare(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        private = [*self._private_fds(), ours.fileno()]
+        server_pid = os.getpid()
+        # Named before the fork, so that the spare is never seen under the server's name.
+        name = _platform.process_name()
+        _platform.set_process_name(SPARE_NAME)
+        try:
+            pid = os.fork()
+        except OSError:
+            # The process limit, memory: no spares until the next request (which forks).
+            ours.close()
+            theirs.close()
+            self._spares_failed = True
+            return
+        finally:
+            if os.getpid() == server_pid:
+                _platform.set_process_name(name)
+        if pid == 0:
+            try:
+                _spare_main(theirs, private, server_pid, name)
+            finally:
+                os._exit(1)
+        theirs.close()
+        try:
+            os.setpgid(pid, pid)
+        except OSError:
+            pass
+        self._spares.append(_Spare(pid, ours))
+
+    def _hand_to_spare(self, fds: list[int], call: bytes | None) -> int | None:
+        """Give a start request to a spare; its pid, or ``None`` if no spare took it."""
+        _, stderr_w, result_w, _, stdout_w, *rest = fds
+        while self._spares:
+            spare = self._spares.pop()
+            message = b"S" if call is None else b"C" + call
+            try:
+                socket.send_fds(spare.sock, [message], [stderr_w, result_w, stdout_w, *rest])
+            except OSError:
+                # Died idle (killed, out of memory): reap it and try the next.
+                spare.sock.close()
+                os.kill(spare.pid, signal.SIGKILL)
+                os.waitpid(spare.pid, 0)
+                continue
+            spare.sock.close()
+            for fd in (stderr_w, result_w, stdout_w, *rest):
+                os.close(fd)
+            return spare.pid
+        return None
+
+    def _drop_spares(self, keep: int) -> None:
+        while len(self._spares) > keep:
+            spare = self._spares.pop()
+            spare.sock.close()  # it reads end-of-file and exits
+            os.waitpid(spare.pid, 0)
 
     def _watch(self, pid: int, status_w: int) -> None:
         try:
@@ -612,11 +766,42 @@ class ForkServer:
             self._popen = None
 
     def _release(self, pid: int) -> None:
+        self._tell(b"R%d" % pid)
+
+    def keep_spares(self, count: int) -> None:
+        """Have the server keep ``count`` workers forked ahead (at most :data:`MAX_SPARES`).
+
+        A spare is forked while the server is idle and waits for a start request, which
+        then costs no fork: the next start of a group this size (an agent's restart, the
+        next job) finds its workers already made.
+        """
+        self._tell(b"W%d" % max(0, count))
+
+    async def spares_ready(self) -> int:
+        """Have the server make its spares now; the number it holds (0: not running)."""
+        sock = self._sock
+        if sock is None:
+            return 0
+        answers, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            try:
+                socket.send_fds(sock, [b"Q"], [theirs.fileno()])
+            except OSError:
+                return 0
+            finally:
+                theirs.close()
+            await anyio.wait_readable(answers)
+            answer = answers.recv(_MAX_MSG)
+        finally:
+            answers.close()
+        return int(answer) if answer else 0
+
+    def _tell(self, message: bytes) -> None:
         sock = self._sock
         if sock is None:
             return
         try:
-            sock.sendmsg([b"R%d" % pid])
+            sock.sendmsg([message])
         except OSError:
             pass  # the server is gone, and its children with it
 

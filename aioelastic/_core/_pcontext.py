@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import anyio
 import anyio.abc
@@ -52,6 +52,11 @@ from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
 
 logger = logging.getLogger("aioelastic")
+
+T = TypeVar("T")
+
+#: Groups up to this size make their files (and remove them) on the event loop itself.
+_FILES_ON_LOOP = 8
 
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
@@ -203,17 +208,19 @@ class PContext:
         # each on a slow or busy filesystem: hundreds of them would stall every other task
         # of the event loop for a second. A launcher thread makes them (the syscalls
         # release the GIL; no extra thread lingers); shielded, so that whatever it made
-        # reaches the cleanup below.
-        prepared = await _launchers.on_launcher_thread(self._open_and_prepare)
+        # reaches the cleanup below. A small group's few files are made here: the hand-off
+        # to a thread (waiting for the GIL while the loop is busy) would cost more.
+        prepared = await self._blocking(self._open_and_prepare)
         try:
             try:
-                await _launchers.on_launcher_thread(watchdog.ensure_started)
+                if not watchdog.running():
+                    await _launchers.on_launcher_thread(watchdog.ensure_started)
             except OSError as exc:
                 _raise_start_error(exc, f"the watchdog process of {self.name!r}")
         except BaseException:
             for rank_prep in prepared.values():
                 rank_prep.close_logs()
-            await _launchers.on_launcher_thread(self._hangs.close)
+            await self._blocking(self._hangs.close)
             raise
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
@@ -233,6 +240,12 @@ class PContext:
         # held back until now, so that it covers every worker that was started.
         self._stop_if_failed()
         return self
+
+    async def _blocking(self, fn: Callable[[], T]) -> T:
+        """``fn()``, blocking file work for each rank: here for a small group, else on a thread."""
+        if self._spec.nprocs <= _FILES_ON_LOOP:
+            return fn()
+        return await _launchers.on_launcher_thread(fn)
 
     def _open_and_prepare(self) -> dict[int, _Prepared]:
         """Blocking: the stack FIFOs, then :meth:`_prepare` (on a thread, see ``__aenter__``)."""
@@ -337,6 +350,10 @@ class PContext:
         if errors:
             rank, exc = errors[0]
             _raise_start_error(exc, f"worker {rank} of {self.name!r}")
+        if self._spec.start_method == "forkserver":
+            # Workers for the next start of this group (a restart) are forked while the
+            # server is idle, so that start takes no fork.
+            fork_server(self._spec.forkserver_preload).keep_spares(self._spec.nprocs)
 
     async def _start_worker(
         self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals
@@ -809,7 +826,7 @@ class PContext:
             for stream in (console("stdout"), console("stderr")):
                 await stream.flush()
         # Removing hundreds of FIFOs and directories is as slow as creating them.
-        await _launchers.on_launcher_thread(self._remove_files)
+        await self._blocking(self._remove_files)
 
     def _remove_files(self) -> None:
         """Blocking: remove the stack FIFOs and the temporary log directory (if empty)."""

@@ -82,6 +82,26 @@ def set_child_subreaper() -> bool:
     return bool(prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
+def process_name() -> str:
+    """This process's name as ``ps`` shows it (``/proc/self/comm``); ``""`` if unknown."""
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().rstrip("\n")
+    except OSError:
+        return ""
+
+
+def set_process_name(name: str) -> None:
+    """Set the name ``ps`` shows for this process (best effort; Linux only)."""
+    if not name:
+        return
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name)
+    except OSError:
+        pass
+
+
 def die_with_parent(expected_parent: int) -> None:
     """In a fresh child: die with the supervisor, closing the race where it already died.
 

@@ -310,7 +310,7 @@ class Watchdog:
         if not self._lock.acquire(blocking=False):
             raise BlockingIOError("the watchdog is being started")
         try:
-            if not self._running():
+            if not self.running():
                 raise BlockingIOError("the watchdog is not running")
             return self._send_batch_locked(base_env, batch, block)
         finally:
@@ -364,7 +364,8 @@ class Watchdog:
                 os.close(fd)
         return StartBatch(self, sent, status_rs, argv0s, failure)
 
-    def _running(self) -> bool:
+    def running(self) -> bool:
+        """Whether the watchdog process is up (no start needed); never blocks."""
         return self._sock is not None and self._popen is not None and self._popen.poll() is None
 
     def _send_start(self, body: bytes, fds: list[int], block: bool) -> None:
