@@ -94,12 +94,12 @@ def fork_server_pids() -> list[int]:
     return list(_forkserver.running_server_pids())
 
 
-def spare_pids() -> list[int]:
-    """The spare workers the warm fork servers keep forked ahead (waiting, not workers)."""
-    from aioelastic._core._forkserver import SPARE_NAME
+def spare_pids(server_pid: int | None = None) -> list[int]:
+    """The spare workers the warm fork servers (or one) keep forked ahead, waiting."""
+    from aioelastic._core._forkserver_process import SPARE_NAME
 
     spares = []
-    for server in fork_server_pids():
+    for server in fork_server_pids() if server_pid is None else [server_pid]:
         for pid in live_children(server):
             try:
                 with open(f"/proc/{pid}/comm") as f:

@@ -16,7 +16,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core._forkserver import INLINE_CALL_MAX, SPARE_NAME, ForkServerError, fork_server
+from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
+from aioelastic._core._forkserver_process import SPARE_NAME
 from tests.audit import spare_pids
 from tests.children import core
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
@@ -311,7 +312,7 @@ async def test_the_next_start_of_a_group_takes_its_workers_from_spares_forked_ah
         server = fork_server(preload)
         with anyio.fail_after(30):
             assert await server.spares_ready() == 2
-        spares = set(spare_pids())
+        spares = set(spare_pids(server.pid))
         assert len(spares) == 2
         start = time.monotonic()
         second = await whoami_on_server("second", preload, ["c", "d"])
@@ -340,7 +341,7 @@ async def test_a_spare_killed_while_idle_is_reaped_and_the_start_still_works() -
         await whoami_on_server("first", preload, ["a", "b"])
         with anyio.fail_after(30):
             assert await fork_server(preload).spares_ready() == 2
-        victim, *_ = spare_pids()
+        victim, *_ = spare_pids(fork_server(preload).pid)
         os.kill(victim, signal.SIGKILL)
         second = await whoami_on_server("second", preload, ["c", "d"])
         assert victim not in {info["pid"] for info in second.values()}
@@ -359,11 +360,11 @@ async def test_spares_are_let_go_when_no_longer_wanted_and_die_with_their_server
         server = fork_server(preload)
         with anyio.fail_after(30):
             assert await server.spares_ready() == 3
-        first_spares = spare_pids()
+        first_spares = spare_pids(server.pid)
         server.keep_spares(1)
         with anyio.fail_after(30):
             assert await server.spares_ready() == 1
-        (kept,) = spare_pids()
+        (kept,) = spare_pids(server.pid)
         for pid in first_spares:
             if pid != kept:
                 await wait_gone(pid)

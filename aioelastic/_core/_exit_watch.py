@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import struct
 from collections.abc import Callable
 from typing import Protocol
 
@@ -30,8 +29,7 @@ import anyio.to_thread
 
 from . import _platform
 from ._runtime import runtime
-
-_STATUS = struct.Struct("=i")
+from ._status import STATUS, decode_status
 
 
 class ExitWatch(Protocol):
@@ -142,9 +140,9 @@ class StatusPipeWatch:
         if self._returncode is None:
             assert self._status_fd is not None
             await anyio.wait_readable(self._status_fd)
-            data = os.read(self._status_fd, _STATUS.size)
-            if len(data) == _STATUS.size:
-                self._returncode = _STATUS.unpack(data)[0]
+            returncode = decode_status(os.read(self._status_fd, STATUS.size))
+            if returncode is not None:
+                self._returncode = returncode
             else:
                 # The fork server died before reporting: its workers die with it
                 # (parent-death signal), so report what the kernel did to them.
@@ -170,8 +168,3 @@ def watch_child(pid: int) -> ExitWatch:
     if pidfd is not None:
         return PidfdWatch(pid, pidfd)
     return ThreadWatch(pid)
-
-
-def encode_status(returncode: int) -> bytes:
-    """The status-pipe message for ``returncode`` (the fork server's side)."""
-    return _STATUS.pack(returncode)
