@@ -168,18 +168,27 @@ def _resolve_binary(entrypoint: str, env: Mapping[str, str]) -> str:
     return os.path.abspath(found)
 
 
+def _entries(directory: Path) -> list[str]:
+    """The names in ``directory``; none if it does not exist or is not a directory."""
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
 def _check_log_dir(log_dir: str | os.PathLike[str] | None, nprocs: int) -> Path | None:
     if log_dir is None:
         return None
     path = Path(log_dir)
     if path.exists() and not path.is_dir():
         raise ValueError(f"log_dir={str(path)!r} is a file, not a directory; choose a directory")
-    taken = [
-        str(path / str(rank) / f)
-        for rank in range(nprocs)
-        for f in LOG_FILES
-        if (path / str(rank) / f).exists()
-    ]
+    # One listing per existing directory, not a stat per rank and file: a fresh log_dir
+    # (the usual case) costs one lookup, whatever the number of ranks.
+    taken = []
+    ranks = set(_entries(path)) & {str(rank) for rank in range(nprocs)}
+    for rank in sorted(ranks, key=int):
+        names = set(_entries(path / rank))
+        taken += [str(path / rank / f) for f in LOG_FILES if f in names]
     if taken:
         raise ValueError(
             f"log_dir={str(path)!r} already holds output of an earlier run ({taken[0]}"
