@@ -139,8 +139,8 @@ def main(control_fd: int, parent_pid: int) -> None:
         return
     # Every object the preload made is moved out of the collector's reach: a worker's
     # first collections would otherwise walk (and so copy, page by page, from the
-    # memory it shares with us) every object of torch's import.
-    gc.collect()
+    # memory it shares with us) every object of torch's import. No collection first:
+    # over torch's objects it would cost a cold start tens of milliseconds.
     gc.freeze()
     sock.sendmsg([b"K"])
     _Server(sock, reserve).serve()

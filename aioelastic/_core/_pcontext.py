@@ -55,8 +55,10 @@ logger = logging.getLogger("aioelastic")
 
 T = TypeVar("T")
 
-#: Groups up to this size make their files (and remove them) on the event loop itself.
+#: Groups up to this size make their FIFOs (and remove their files) on the event loop.
 _FILES_ON_LOOP = 8
+#: How long preparing a group's files may hold the event loop before other tasks run.
+_PREPARE_SLICE = 0.002
 
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
@@ -204,13 +206,7 @@ class PContext:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._entered = True
         _platform.ensure_default_sigchld()
-        # Creating a group's files (FIFOs, directories, log files) takes a millisecond
-        # each on a slow or busy filesystem: hundreds of them would stall every other task
-        # of the event loop for a second. A launcher thread makes them (the syscalls
-        # release the GIL; no extra thread lingers); shielded, so that whatever it made
-        # reaches the cleanup below. A small group's few files are made here: the hand-off
-        # to a thread (waiting for the GIL while the loop is busy) would cost more.
-        prepared = await self._blocking(self._open_and_prepare)
+        prepared = await self._open_and_prepare()
         try:
             try:
                 if not watchdog.running():
@@ -247,27 +243,44 @@ class PContext:
             return fn()
         return await _launchers.on_launcher_thread(fn)
 
-    def _open_and_prepare(self) -> dict[int, _Prepared]:
-        """Blocking: the stack FIFOs, then :meth:`_prepare` (on a thread, see ``__aenter__``)."""
-        self._hangs.open()
+    async def _open_and_prepare(self) -> dict[int, _Prepared]:
+        """The stack FIFOs, then :meth:`_prepare`."""
+        await self._blocking(self._hangs.open)
         try:
-            return self._prepare()
+            return await self._prepare()
         except BaseException:
-            self._hangs.close()
+            with anyio.CancelScope(shield=True):
+                await self._blocking(self._hangs.close)
             raise
 
-    def _prepare(self) -> dict[int, _Prepared]:
-        """Log files, environments and pickled calls: all that can fail, before a start."""
+    async def _prepare(self) -> dict[int, _Prepared]:
+        """Log files, environments and pickled calls: all that can fail, before a start.
+
+        Made on the event loop a slice at a time, with other tasks running in between:
+        hundreds of ranks' directories and files (a millisecond each on a slow or busy
+        filesystem) would otherwise hold the loop for a second. Not on a thread: while
+        the loop has other work, each hand-off between the two waits for the GIL, up to
+        a switch interval (5 ms) at a time, which is what a task of the loop then sees
+        as lateness. The loop writes the log files itself anyway.
+        """
         spec = self._spec
         root = log_root.make_temporary(spec.name) if spec.log_dir is None else spec.log_dir
         prepared: dict[int, _Prepared] = {}
         created: list[Path] = []
         try:
-            for rank in range(spec.nprocs):
-                prepared[rank] = self._prepare_rank(rank, root)
-            for rank in range(spec.nprocs):
-                (root / str(rank)).mkdir(parents=True, exist_ok=True)
-                self._create_logs(rank, root, prepared[rank], created)
+            slice_end = time.monotonic() + _PREPARE_SLICE
+            # Every rank's call and environment first (a call that cannot be pickled
+            # fails the start before any file exists), then the files.
+            for step in ("call", "files"):
+                for rank in range(spec.nprocs):
+                    if step == "call":
+                        prepared[rank] = self._prepare_rank(rank, root)
+                    else:
+                        (root / str(rank)).mkdir(parents=True, exist_ok=True)
+                        self._create_logs(rank, root, prepared[rank], created)
+                    if time.monotonic() >= slice_end:
+                        await anyio.lowlevel.checkpoint()
+                        slice_end = time.monotonic() + _PREPARE_SLICE
         except BaseException:
             for rank_prep in prepared.values():
                 rank_prep.close_logs()

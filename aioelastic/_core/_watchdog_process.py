@@ -1,8 +1,11 @@
 """The watchdog process itself: run as a script, ``python -I -S _watchdog_process.py``.
 
-It imports only the standard library (a small interpreter, started in milliseconds) and
-never this package. See :mod:`aioelastic._core._watchdog` for what it is for; this file is the
-other end of its socket.
+It imports only the interpreter's built-in modules (``_socket``, ``_signal``, ``_thread``,
+``select``, ``marshal``, ``struct``, ``ctypes`` for ``prctl``) and never this package: no
+``socket``, ``signal`` or ``threading`` wrappers (their ``enum``s), no
+``ctypes.util.find_library`` (which imports ``subprocess`` and runs ``ldconfig``), so
+the interpreter stays small. See :mod:`aioelastic._core._watchdog` for what it is for;
+this file is the other end of its socket.
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
@@ -34,28 +37,36 @@ is SIGKILLed.
 
 from __future__ import annotations
 
-import array
+import _socket
+import _thread
 import ctypes
-import ctypes.util
 import errno
 import marshal
 import os
-import selectors
-import signal
-import socket
+import select
 import struct
 import sys
-import threading
+
+#: Not ``typing.TYPE_CHECKING``: importing ``typing`` would cost this small process more
+#: than everything else it imports.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+#: ``signal``'s C module, without the enums ``signal`` builds over it (typeshed has no
+#: stub for it: typed as Any).
+_signal: Any = __import__("_signal")
 
 _MAX_MSG = 1 << 20
 #: Starts per message: 3 or 4 fds each and 3 more (cwd, answer socket, memfd), under the
 #: kernel's 253 fds per SCM_RIGHTS message.
 MAX_BATCH = 62
 _STATUS = struct.Struct("=i")
-_DEATH_SIGNAL = signal.SIGUSR1
+_DEATH_SIGNAL = _signal.SIGUSR1
 #: Every signal a worker gets back at its default disposition (the watchdog ignores
 #: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
-_DEFAULT_SIGNALS = sorted(signal.valid_signals() - {signal.SIGKILL, signal.SIGSTOP})
+_DEFAULT_SIGNALS = sorted(_signal.valid_signals() - {_signal.SIGKILL, _signal.SIGSTOP})
+_FD = struct.Struct("i")
 
 groups: set[int] = set()
 
@@ -64,7 +75,7 @@ def kill_all(*_: object) -> None:
     """Kill every watched process group and exit (the supervisor is gone)."""
     for pgid in groups:
         try:
-            os.killpg(pgid, signal.SIGKILL)
+            os.killpg(pgid, _signal.SIGKILL)
         except OSError:
             pass
     os._exit(0)
@@ -104,45 +115,57 @@ def _executable(argv0: str, env: dict[str, str]) -> str:
 
 
 class _Server:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self._sock = sock
-        self._selector = selectors.DefaultSelector()
+        self._epoll = select.epoll()
+        #: What each registered fd stands for: None for the socket, else a worker's pid.
+        self._watched: dict[int, int | None] = {}
         self._status: dict[int, int] = {}  # pid -> status fd, until the exit is written
         self._pidfds: dict[int, int] = {}
-        self._lock = threading.Lock()  # status writes from fallback waiter threads
+        self._lock = _thread.allocate_lock()  # status writes from fallback waiter threads
         self._use_pidfd = os.environ.get("AIOELASTIC_NO_PIDFD") != "1" and hasattr(os, "pidfd_open")
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
     def serve(self) -> None:
-        self._selector.register(self._sock, selectors.EVENT_READ, None)
+        self._register(self._sock.fileno(), None)
         while True:
-            for key, _ in self._selector.select():
-                if key.data is None:
+            for fd, _ in self._epoll.poll():
+                pid = self._watched.get(fd, -1)
+                if pid is None:
                     if not self._handle_request():
                         return
-                else:
-                    self._report_exit(key.data)
+                elif pid >= 0:
+                    self._report_exit(pid)
+
+    def _register(self, fd: int, pid: int | None) -> None:
+        self._watched[fd] = pid
+        self._epoll.register(fd, select.EPOLLIN)
+
+    def _unregister(self, fd: int) -> None:
+        if self._watched.pop(fd, -1) != -1:
+            self._epoll.unregister(fd)
 
     def _handle_request(self) -> bool:
         # Not socket.recv_fds: before Python 3.13 it drops its flags argument, and every
         # fd received here must be close-on-exec or the next worker inherits it.
-        fds = array.array("i")
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
                 _MAX_MSG,
-                socket.CMSG_LEN((4 * MAX_BATCH + 3) * fds.itemsize),
-                socket.MSG_CMSG_CLOEXEC,
+                _socket.CMSG_LEN((4 * MAX_BATCH + 3) * _FD.size),
+                _socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
             return False
+        fds: list[int] = []
         for level, cmsg_type, data in ancdata:
-            if level == socket.SOL_SOCKET and cmsg_type == socket.SCM_RIGHTS:
-                fds.frombytes(data[: len(data) - (len(data) % fds.itemsize)])
+            if level == _socket.SOL_SOCKET and cmsg_type == _socket.SCM_RIGHTS:
+                whole = data[: len(data) - (len(data) % _FD.size)]
+                fds += (fd for (fd,) in _FD.iter_unpack(whole))
         if not msg:
             return False
         kind = msg[:1]
         if kind == b"B":
-            self._spawn_batch(msg[1:], list(fds))
+            self._spawn_batch(msg[1:], fds)
         elif kind == b"M":
             *request_fds, memfd = fds
             self._spawn_batch(_read_all(memfd), request_fds)
@@ -163,7 +186,7 @@ class _Server:
         # recorded. Fallback waiter threads are created meanwhile and inherit the block:
         # a signal delivered to any thread runs its Python handler in the main thread at
         # once, also inside a later spawn's window, so no other thread may take it.
-        signal.pthread_sigmask(signal.SIG_BLOCK, {_DEATH_SIGNAL})
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {_DEATH_SIGNAL})
         try:
             try:
                 os.fchdir(cwd_fd)
@@ -190,7 +213,7 @@ class _Server:
                 _answer(answer_fd, ("P", pid))
         finally:
             os.close(answer_fd)  # the end-of-file tells the supervisor the batch is done
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
+            _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
 
     def _spawn(
         self,
@@ -221,9 +244,9 @@ class _Server:
         pidfd = os.pidfd_open(pid) if self._use_pidfd else None
         if pidfd is not None:
             self._pidfds[pid] = pidfd
-            self._selector.register(pidfd, selectors.EVENT_READ, pid)
+            self._register(pidfd, pid)
         else:
-            threading.Thread(target=self._wait_in_thread, args=(pid,), daemon=True).start()
+            _thread.start_new_thread(self._wait_in_thread, (pid,))
 
     def _wait_in_thread(self, pid: int) -> None:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
@@ -232,7 +255,7 @@ class _Server:
 
     def _report_exit(self, pid: int) -> None:
         pidfd = self._pidfds[pid]
-        self._selector.unregister(pidfd)
+        self._unregister(pidfd)
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
         assert info is not None
         self._write_status(pid, _returncode(info))
@@ -262,28 +285,25 @@ class _Server:
                 os.close(fd)
         pidfd = self._pidfds.pop(pid, None)
         if pidfd is not None:
-            try:
-                self._selector.unregister(pidfd)
-            except KeyError:
-                pass
+            self._unregister(pidfd)
             os.close(pidfd)
 
 
 def main() -> None:
     """``_watchdog_process.py PARENT_PID SOCKET_FD``."""
     parent, sock_fd = int(sys.argv[1]), int(sys.argv[2])
-    signal.signal(_DEATH_SIGNAL, kill_all)
+    _signal.signal(_DEATH_SIGNAL, kill_all)
     # Ctrl-C at a terminal reaches the supervisor's group: the safety net must stay.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        libc.prctl(1, int(_DEATH_SIGNAL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except OSError:
+        # The process's own namespace: libc is linked into every CPython on Linux.
+        ctypes.CDLL(None).prctl(1, int(_DEATH_SIGNAL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
         pass
     if os.getppid() != parent:
         kill_all()
-    sock = socket.socket(fileno=sock_fd)
-    sock.set_inheritable(False)  # passed to us inheritable; no worker may hold it
+    os.set_inheritable(sock_fd, False)  # passed to us inheritable; no worker may hold it
+    sock = _socket.socket(fileno=sock_fd)
     sock.sendmsg([b"K"])
     try:
         _Server(sock).serve()
