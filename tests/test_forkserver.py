@@ -373,3 +373,28 @@ async def test_spares_are_let_go_when_no_longer_wanted_and_die_with_their_server
         await wait_gone(kept)
     finally:
         _stop(preload)
+
+
+@pytest.mark.timeout(60)
+def test_the_server_imports_the_main_script_only_for_a_call_that_refers_to_it(
+    tmp_path: Path,
+) -> None:
+    # A call to a module's function never runs the supervisor's script in the server
+    # (that import would lengthen every cold start); a function of the script still works.
+    marks = tmp_path / "marks"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(Path(REPO_ROOT) / "tests" / "children" / "lazy_main.py"), str(marks)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert time.monotonic() - start < 50
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["module_call"] == {"0": 3}
+    assert report["after_module_call"] == ["__main__"]
+    assert report["script_call"] == {"0": 42}
+    assert report["after_script_call"] == ["__main__", "__mp_main__"]

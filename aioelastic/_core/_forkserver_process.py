@@ -128,6 +128,10 @@ def main(control_fd: int, parent_pid: int) -> None:
     reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     setup_msg, _, _, _ = sock.recvmsg(_MAX_MSG)
     prep_data, preload = pickle.loads(setup_msg)
+    # The supervisor's main module is imported when a call first refers to it, not now:
+    # most calls come from modules of their own, and importing a script's __main__ (or
+    # the module run with -m) would lengthen every cold start (see _Server._main_ready).
+    main_prep = {key: prep_data.pop(key) for key in _MAIN_KEYS if key in prep_data}
     try:
         multiprocessing.spawn.prepare(prep_data)
         import_preload(preload)
@@ -143,13 +147,15 @@ def main(control_fd: int, parent_pid: int) -> None:
     # over torch's objects it would cost a cold start tens of milliseconds.
     gc.freeze()
     sock.sendmsg([b"K"])
-    _Server(sock, reserve).serve()
+    _Server(sock, reserve, main_prep).serve()
     # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
     # while the supervisor waits for us (stop(), its own exit) or starts a fresh server
     # beside us. Nothing here needs flushing or releasing: the kernel closes the rest.
     os._exit(0)
 
 
+#: The preparation data that imports the supervisor's main module (``multiprocessing``'s).
+_MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 #: The most spare workers a server keeps forked ahead.
 MAX_SPARES = 64
 #: A spare is forked only once no request came for this long (seconds).
@@ -204,8 +210,12 @@ class _Child:
 class _Server:
     """The fork server's loop: fork on request, report exits, reap on release."""
 
-    def __init__(self, sock: socket.socket, reserve: int) -> None:
+    def __init__(self, sock: socket.socket, reserve: int, main_prep: dict[str, object]) -> None:
         self._sock = sock
+        #: How to import the supervisor's main module, until a call needed it.
+        self._main_prep: dict[str, object] | None = main_prep or None
+        #: Why importing it failed (every call that needs it then fails with this).
+        self._main_error: str | None = None
         #: An fd kept free, closed only while a request is received (see the protocol).
         self._reserve: int | None = reserve
         self._selector = selectors.DefaultSelector()
@@ -303,10 +313,38 @@ class _Server:
             private.append(self._reserve)
         return private
 
+    def _main_ready(self, call: bytes | None) -> str | None:
+        """Import the main module before the first call that may refer to it.
+
+        A function or class of the supervisor's script is pickled by the name of its
+        module, ``__main__`` (``__mp_main__`` in a spawned process); a call too large to
+        travel in the request is not seen here, so it gets the main module in any case.
+        Returns why the import failed, if it did.
+        """
+        if self._main_prep is not None and (call is None or b"__main__" in call):
+            prep, self._main_prep = self._main_prep, None
+            self._drop_spares(0)  # forked without it
+            try:
+                multiprocessing.spawn.prepare(prep)
+            except BaseException:
+                self._main_error = (
+                    "the fork server could not import the supervisor's main module, "
+                    f"which the call refers to: {traceback.format_exc().strip()}"
+                )
+        if self._main_error is not None and (call is None or b"__main__" in call):
+            return self._main_error
+        return None
+
     def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
         self._spares_failed = False
         answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = fds
         payload_r = rest[0] if rest else None
+        problem = self._main_ready(call)
+        if problem is not None:
+            for received in fds[1:]:
+                os.close(received)
+            _answer_error(answer_fd, problem)
+            return
         pid = self._hand_to_spare(fds, call)
         if pid is not None:
             self._watch_worker(pid, answer_fd, status_w)
