@@ -160,6 +160,9 @@ _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 MAX_SPARES = 64
 #: A spare is forked only once no request came for this long (seconds).
 _SPARE_QUIET = 0.02
+#: What a spare answers once it has its start request; how long the server waits for it.
+_SPARE_ACK = b"A"
+_SPARE_ACK_TIMEOUT = 5.0
 #: The name a waiting spare shows in ``ps`` (``/proc/PID/comm``, 15 characters at most).
 SPARE_NAME = "aioelastic-spare"[:15]
 
@@ -186,6 +189,10 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
         os._exit(0)
     if not msg:
         os._exit(0)  # the server let us go (or died): no worker to become
+    try:
+        sock.send(_SPARE_ACK)
+    except OSError:
+        os._exit(0)  # the server gave up on us
     _platform.set_process_name(name)
     from ._bootstrap import forked_worker
 
@@ -438,12 +445,22 @@ class _Server:
         while self._spares:
             spare = self._spares.pop()
             message = b"S" if call is None else b"C" + call
+            # Acknowledged before it counts: a spare killed just before (the OOM killer, a
+            # stray SIGKILL) may still take the message while it dies, and its death
+            # must not be reported as the worker's.
             try:
                 socket.send_fds(spare.sock, [message], [stderr_w, result_w, stdout_w, *rest])
+                spare.sock.settimeout(_SPARE_ACK_TIMEOUT)
+                ack = spare.sock.recv(1)
             except OSError:
-                # Died idle (killed, out of memory): reap it and try the next.
+                ack = b""
+            if ack != _SPARE_ACK:
+                # Dead (or stopped): make sure, reap it, and try the next.
                 spare.sock.close()
-                os.kill(spare.pid, signal.SIGKILL)
+                try:
+                    os.kill(spare.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
                 os.waitpid(spare.pid, 0)
                 continue
             spare.sock.close()
