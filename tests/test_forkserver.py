@@ -398,3 +398,26 @@ def test_the_server_imports_the_main_script_only_for_a_call_that_refers_to_it(
     assert report["after_module_call"] == ["__main__"]
     assert report["script_call"] == {"0": 42}
     assert report["after_script_call"] == ["__main__", "__mp_main__"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_stopped_spare_is_given_up_after_its_timeout_and_the_start_still_works() -> None:
+    # A spare that never acknowledges its request (stopped) holds the start back by at
+    # most the hand-off timeout; then it is killed and reaped, and the worker is forked.
+    preload = ("tests.children.core",)
+    try:
+        await whoami_on_server("first", preload, ["a"])
+        server = fork_server(preload)
+        with anyio.fail_after(30):
+            assert await server.spares_ready() == 1
+        (stopped,) = spare_pids(server.pid)
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        second = await whoami_on_server("second", preload, ["b"])
+        assert time.monotonic() - start < 30
+        assert second[0]["env"] == "b"
+        assert second[0]["pid"] != stopped
+        assert process_state(stopped) is None  # killed and reaped by the server
+    finally:
+        _stop(preload)

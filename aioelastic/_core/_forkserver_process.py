@@ -175,6 +175,18 @@ class _Spare:
     sock: socket.socket
 
 
+@dataclass
+class _Handoff:
+    """A start request given to a spare, held until the spare acknowledges it."""
+
+    spare: _Spare
+    #: The request's fds, as received: [answer, stderr_w, result_w, status_w, stdout_w, ...].
+    fds: list[int]
+    call: bytes | None
+    #: When an unacknowledged hand-off is given up (the spare is killed).
+    deadline: float
+
+
 def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: str) -> None:
     """Body of a spare: wait for a start request, then become that worker (never returns)."""
     for fd in private:
@@ -230,6 +242,8 @@ class _Server:
         self._lock = threading.Lock()  # guards status writes from fallback threads
         #: Workers forked ahead, each waiting on its socket for a call (see _Spare).
         self._spares: list[_Spare] = []
+        #: Requests handed to a spare that has not acknowledged them yet, by its pid.
+        self._handoffs: dict[int, _Handoff] = {}
         #: How many spares to keep (the supervisor's last ``W``), and whether making one
         #: failed (then none is made until the next request).
         self._spare_target = 0
@@ -243,16 +257,23 @@ class _Server:
             # not within _SPARE_QUIET of a request: a group's requests arrive a few at a
             # time, and each must find the server free, not in the middle of a fork.
             short = len(self._spares) < self._spare_target and not self._spares_failed
-            quiet = self._last_request + _SPARE_QUIET - time.monotonic()
-            events = self._selector.select(max(quiet, 0) if short else None)
-            if not events and short:
+            now = time.monotonic()
+            timeouts = [self._last_request + _SPARE_QUIET - now] if short else []
+            timeouts += (handoff.deadline - now for handoff in self._handoffs.values())
+            events = self._selector.select(max(min(timeouts), 0) if timeouts else None)
+            if not events and short and not self._handoffs:
                 self._fork_spare()
             for key, _ in events:
                 if key.data is None:
                     if not self._handle_request():
                         return
+                elif isinstance(key.data, _Handoff):
+                    self._handoff_answered(key.data)
                 else:
                     self._report_exit(key.data)
+            now = time.monotonic()
+            for handoff in [h for h in self._handoffs.values() if h.deadline <= now]:
+                self._handoff_answered(handoff)  # never acknowledged: stopped, or stuck
 
     def _handle_request(self) -> bool:
         self._last_request = time.monotonic()
@@ -316,6 +337,8 @@ class _Server:
             if child.pidfd is not None:
                 private.append(child.pidfd)
         private += (spare.sock.fileno() for spare in self._spares)
+        for handoff in self._handoffs.values():
+            private += (handoff.spare.sock.fileno(), *handoff.fds)
         if self._reserve is not None:
             private.append(self._reserve)
         return private
@@ -352,11 +375,9 @@ class _Server:
                 os.close(received)
             _answer_error(answer_fd, problem)
             return
-        pid = self._hand_to_spare(fds, call)
-        if pid is not None:
-            self._watch_worker(pid, answer_fd, status_w)
+        if self._hand_to_spare(fds, call):
             return
-        private = [*self._private_fds(), answer_fd, status_w]
+        private = [*self._private_fds(), *fds]
         server_pid = os.getpid()
         try:
             pid = os.fork()
@@ -439,35 +460,58 @@ class _Server:
             pass
         self._spares.append(_Spare(pid, ours))
 
-    def _hand_to_spare(self, fds: list[int], call: bytes | None) -> int | None:
-        """Give a start request to a spare; its pid, or ``None`` if no spare took it."""
+    def _hand_to_spare(self, fds: list[int], call: bytes | None) -> bool:
+        """Give a start request to a spare; whether one took it (its answer comes later).
+
+        The request counts once the spare acknowledges it (:meth:`_handoff_answered`):
+        a spare killed just before (the OOM killer, a stray SIGKILL) may still take the
+        message while it dies, and its death must not be reported as the worker's. The
+        acknowledgement is read by this loop, not waited for here, so that a group's
+        requests go to its spares back to back.
+        """
         _, stderr_w, result_w, _, stdout_w, *rest = fds
         while self._spares:
             spare = self._spares.pop()
             message = b"S" if call is None else b"C" + call
-            # Acknowledged before it counts: a spare killed just before (the OOM killer, a
-            # stray SIGKILL) may still take the message while it dies, and its death
-            # must not be reported as the worker's.
             try:
                 socket.send_fds(spare.sock, [message], [stderr_w, result_w, stdout_w, *rest])
-                spare.sock.settimeout(_SPARE_ACK_TIMEOUT)
-                ack = spare.sock.recv(1)
             except OSError:
-                ack = b""
-            if ack != _SPARE_ACK:
-                # Dead (or stopped): make sure, reap it, and try the next.
-                spare.sock.close()
-                try:
-                    os.kill(spare.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                os.waitpid(spare.pid, 0)
+                self._discard_spare(spare)  # died idle: try the next
                 continue
-            spare.sock.close()
-            for fd in (stderr_w, result_w, stdout_w, *rest):
-                os.close(fd)
-            return spare.pid
-        return None
+            handoff = _Handoff(spare, fds, call, time.monotonic() + _SPARE_ACK_TIMEOUT)
+            self._handoffs[spare.pid] = handoff
+            self._selector.register(spare.sock, selectors.EVENT_READ, handoff)
+            return True
+        return False
+
+    def _handoff_answered(self, handoff: _Handoff) -> None:
+        """The spare acknowledged its request (it is the worker now), or died first."""
+        spare = handoff.spare
+        del self._handoffs[spare.pid]
+        self._selector.unregister(spare.sock)
+        try:
+            ack = spare.sock.recv(1, socket.MSG_DONTWAIT)
+        except OSError:
+            ack = b""
+        if ack != _SPARE_ACK:
+            # Dead (or stopped past the timeout): the request goes to the next spare or
+            # to a fork, with the fds we still hold.
+            self._discard_spare(spare)
+            self._fork_worker(handoff.fds, handoff.call)
+            return
+        spare.sock.close()
+        answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = handoff.fds
+        for fd in (stderr_w, result_w, stdout_w, *rest):
+            os.close(fd)
+        self._watch_worker(spare.pid, answer_fd, status_w)
+
+    def _discard_spare(self, spare: _Spare) -> None:
+        spare.sock.close()
+        try:
+            os.kill(spare.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(spare.pid, 0)
 
     def _drop_spares(self, keep: int) -> None:
         while len(self._spares) > keep:
