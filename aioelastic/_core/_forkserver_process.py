@@ -159,7 +159,7 @@ _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")
 #: The most spare workers a server keeps forked ahead.
 MAX_SPARES = 64
 #: A spare is forked only once no request came for this long (seconds).
-_SPARE_QUIET = 0.02
+_SPARE_QUIET = 0.005
 #: What a spare answers once it has its start request; how long the server waits for it.
 _SPARE_ACK = b"A"
 _SPARE_ACK_TIMEOUT = 5.0
