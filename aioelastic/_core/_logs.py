@@ -141,7 +141,12 @@ class StreamPump:
         if self._loop is not None:
             raise RuntimeError("StreamPump.start() was called twice; start a pump once")
         self._loop = asyncio.get_running_loop()
-        self._resume()
+        if self._fd is not None:
+            # No read now: the registration is level-triggered, so bytes the worker wrote
+            # already call the reader on the loop's next turn (a read here would mostly
+            # find the pipe empty, for a syscall and an exception per stream).
+            self._loop.add_reader(self._fd, self._step)
+            self._reading = True
 
     async def run(self) -> None:
         """Start pumping (see :meth:`start`) and wait until the pipe is closed."""
