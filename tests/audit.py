@@ -94,6 +94,25 @@ def fork_server_pids() -> list[int]:
     return list(_forkserver.running_server_pids())
 
 
+def is_spare(pid: int) -> bool:
+    """Whether ``pid`` is a spare worker a warm fork server keeps forked ahead (waiting).
+
+    Checked per process when a leak is suspected: a server forks its spares while idle,
+    so a list of spares taken a moment earlier may already be short of a new one.
+    """
+    from aioelastic._core._forkserver_process import SPARE_NAME
+
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().rstrip("\n") != SPARE_NAME:
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return False
+    return parent in fork_server_pids()
+
+
 def spare_pids(server_pid: int | None = None) -> list[int]:
     """The spare workers the warm fork servers (or one) keep forked ahead, waiting."""
     from aioelastic._core._forkserver_process import SPARE_NAME

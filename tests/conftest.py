@@ -24,6 +24,7 @@ import pytest
 from tests.audit import (
     fds_opened_since,
     fork_server_pids,
+    is_spare,
     kill_all,
     live_children,
     long_lived_pids,
@@ -65,6 +66,7 @@ def no_leaks() -> Iterator[None]:
     # children of this process and of the warm fork servers.
     for parent in [os.getpid(), *fork_server_pids()]:
         leaked += [p for p in live_children(parent) if p not in helpers and p not in leaked]
+    leaked = [pid for pid in leaked if not is_spare(pid)]
     if leaked:
         problems.append(f"live processes left behind: {leaked}")
         kill_all(leaked)
