@@ -19,8 +19,9 @@ import resource
 import signal
 import socket
 import string
+import sys
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -59,6 +60,19 @@ T = TypeVar("T")
 _FILES_ON_LOOP = 8
 #: How long preparing a group's files may hold the event loop before other tasks run.
 _PREPARE_SLICE = 0.002
+#: Whether group files are made on the event loop (see PContext._prepare).
+_PREPARE_ON_LOOP = sys.version_info >= (3, 11)
+
+
+def _run_to_end(steps: Generator[None, None, T]) -> T:
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            result: T = done.value
+            return result
+
 
 #: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
 #: descendant that escaped its process group (``setsid``) can keep one open that long.
@@ -238,8 +252,12 @@ class PContext:
         return self
 
     async def _blocking(self, fn: Callable[[], T]) -> T:
-        """``fn()``, blocking file work for each rank: here for a small group, else on a thread."""
-        if self._spec.nprocs <= _FILES_ON_LOOP:
+        """``fn()``, blocking file work for each rank: here for a small group, else on a thread.
+
+        On a thread always on Python 3.10, where a Ctrl-C could cut it in half (see
+        :meth:`_prepare`).
+        """
+        if self._spec.nprocs <= _FILES_ON_LOOP and _PREPARE_ON_LOOP:
             return fn()
         return await _launchers.on_launcher_thread(fn)
 
@@ -261,26 +279,45 @@ class PContext:
         filesystem) would otherwise hold the loop for a second. Not on a thread: while
         the loop has other work, each hand-off between the two waits for the GIL, up to
         a switch interval (5 ms) at a time, which is what a task of the loop then sees
-        as lateness. The loop writes the log files itself anyway.
+        as lateness. The loop writes the log files itself anyway. Python 3.10 is the
+        exception: there a Ctrl-C raises KeyboardInterrupt at whatever line the main
+        thread is on (3.11's asyncio turns it into a cancellation, seen at a
+        checkpoint), so the files are made on a thread, where it cannot cut a step in half.
         """
+        steps = self._prepare_steps()
+        if not _PREPARE_ON_LOOP:
+            return await _launchers.on_launcher_thread(_run_to_end, steps)
+        slice_end = time.monotonic() + _PREPARE_SLICE
+        try:
+            while True:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    prepared: dict[int, _Prepared] = done.value
+                    return prepared
+                if time.monotonic() >= slice_end:
+                    await anyio.lowlevel.checkpoint()
+                    slice_end = time.monotonic() + _PREPARE_SLICE
+        except BaseException:
+            steps.close()  # a cancellation at the checkpoint: the steps clean up
+            raise
+
+    def _prepare_steps(self) -> Generator[None, None, dict[int, _Prepared]]:
+        """:meth:`_prepare`, one rank's step per ``next()``; cleans up if closed early."""
         spec = self._spec
         root = log_root.make_temporary(spec.name) if spec.log_dir is None else spec.log_dir
         prepared: dict[int, _Prepared] = {}
         created: list[Path] = []
         try:
-            slice_end = time.monotonic() + _PREPARE_SLICE
             # Every rank's call and environment first (a call that cannot be pickled
             # fails the start before any file exists), then the files.
-            for step in ("call", "files"):
-                for rank in range(spec.nprocs):
-                    if step == "call":
-                        prepared[rank] = self._prepare_rank(rank, root)
-                    else:
-                        (root / str(rank)).mkdir(parents=True, exist_ok=True)
-                        self._create_logs(rank, root, prepared[rank], created)
-                    if time.monotonic() >= slice_end:
-                        await anyio.lowlevel.checkpoint()
-                        slice_end = time.monotonic() + _PREPARE_SLICE
+            for rank in range(spec.nprocs):
+                prepared[rank] = self._prepare_rank(rank, root)
+                yield
+            for rank in range(spec.nprocs):
+                (root / str(rank)).mkdir(parents=True, exist_ok=True)
+                self._create_logs(rank, root, prepared[rank], created)
+                yield
         except BaseException:
             for rank_prep in prepared.values():
                 rank_prep.close_logs()
