@@ -421,3 +421,31 @@ async def test_a_stopped_spare_is_given_up_after_its_timeout_and_the_start_still
         assert process_state(stopped) is None  # killed and reaped by the server
     finally:
         _stop(preload)
+
+
+@pytest.mark.timeout(60)
+def test_a_main_script_the_server_cannot_import_fails_only_the_calls_that_need_it(
+    tmp_path: Path,
+) -> None:
+    # The script raises when imported as anything but __main__: a call to one of its own
+    # functions fails with the import's traceback named, a module's function still runs,
+    # and the supervising process ends with nothing left behind.
+    script = Path(REPO_ROOT) / "tests" / "children" / "main_fails_in_server.py"
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert time.monotonic() - start < 50
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["script_call"].startswith(
+        "the fork server could not import the supervisor's main module, which the call "
+        "refers to: Traceback"
+    )
+    assert "this script refuses to be imported" in report["script_call"]
+    assert report["module_call"] == {"0": 3}

@@ -15,7 +15,6 @@ start is retried once on it.
 
 from __future__ import annotations
 
-import array
 import atexit
 import errno
 import functools
@@ -270,11 +269,7 @@ class ForkServer:
             if sock is not self._sock:
                 raise _ServerGone("it was replaced")
             try:
-                sock.sendmsg(
-                    [message],
-                    [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())],
-                    0 if block else socket.MSG_DONTWAIT,
-                )
+                socket.send_fds(sock, [message], fds, 0 if block else socket.MSG_DONTWAIT)
             except BlockingIOError:
                 raise
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:

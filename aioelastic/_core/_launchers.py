@@ -115,36 +115,30 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
 
 
 def start_binaries(
-    base_env: Mapping[str, str],
-    starts: Sequence[BinaryStart],
-    on_started: Callable[[int, Launched | BaseException], None] | None = None,
+    base_env: Mapping[str, str], starts: Sequence[BinaryStart]
 ) -> list[Launched | BaseException]:
     """Start binary workers (no shell), each in a new process group that dies with us.
 
     The watchdog process starts them (see :mod:`aioelastic._core._watchdog`), a batch of
     them per message: no ``fork()`` of this possibly large process, and the parent-death
     guarantee without a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our
-    *current* stdout, not the one the watchdog had when it started.
+    *current* stdout, not the one the watchdog had when it started. Blocking; the event
+    loop's way is :class:`BinaryLauncher`.
 
     Args:
         base_env: The environment every worker starts from.
         starts: The workers (each one's ``env`` is laid over ``base_env``).
-        on_started: Called with each start's index and outcome as soon as it is known.
 
     Returns:
         Per start, in order, the process or the error that kept it from running (the
         others run: the caller records them before raising).
     """
-    results: list[Launched | BaseException] = []
+    return [_launched(outcome) for outcome in watchdog.spawn(base_env, starts)]
 
-    def report(index: int, spawned: Spawned) -> None:
-        result = spawned if isinstance(spawned, BaseException) else Launched(*spawned)
-        results.append(result)
-        if on_started is not None:
-            on_started(index, result)
 
-    watchdog.spawn(base_env, starts, report)
-    return results
+def _launched(outcome: Spawned) -> Launched | BaseException:
+    """A watchdog start's outcome as a :class:`Launched` (or the error, as it is)."""
+    return outcome if isinstance(outcome, BaseException) else Launched(*outcome)
 
 
 class BinaryLauncher:
@@ -243,10 +237,7 @@ class BinaryLauncher:
             try:
                 for outcome in sent.receive(block=False):
                     _, future = next(unanswered)
-                    _settle(
-                        future,
-                        outcome if isinstance(outcome, BaseException) else Launched(*outcome),
-                    )
+                    _settle(future, _launched(outcome))
             except Exception as exc:
                 # A waiting set-up task must never wait forever; the rest is not started.
                 sent.close()

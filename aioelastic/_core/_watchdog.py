@@ -32,7 +32,6 @@ reaches the supervisor's group, does not remove the safety net first.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import atexit
 import marshal
@@ -82,10 +81,6 @@ Spawned = tuple[int, "SpawnedWatch"] | BaseException
 def decode_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` as the str mapping a start message carries (bytes keys/values decoded)."""
     return {os.fsdecode(k): os.fsdecode(v) for k, v in env.items()}
-
-
-def _rights(fds: Sequence[int]) -> tuple[int, int, bytes]:
-    return (socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())
 
 
 def _readable(fd: int) -> bool:
@@ -249,25 +244,16 @@ class Watchdog:
         self._popen, self._sock = popen, ours
         return ours
 
-    def spawn(
-        self,
-        base_env: Mapping[str, str],
-        starts: Sequence[BinaryStart],
-        on_spawned: Callable[[int, Spawned], None] | None = None,
-    ) -> list[Spawned]:
+    def spawn(self, base_env: Mapping[str, str], starts: Sequence[BinaryStart]) -> list[Spawned]:
         """Blocking: have the watchdog start binary workers (see ``_watchdog_process``).
 
-        One message per :data:`MAX_BATCH` starts, not per worker; the watchdog answers
-        each start as soon as it is made, so ``on_spawned`` can put the first workers to
-        use while it still spawns the others. The stdio fds of each start are sent, not
-        taken over (the caller still closes them). The event loop's way is
-        :meth:`send_batch` and reading the answers as they arrive.
+        One message per :data:`MAX_BATCH` starts, not per worker. The stdio fds of each
+        start are sent, not taken over (the caller still closes them). The event loop's
+        way is :meth:`send_batch` and reading the answers as they arrive.
 
         Args:
             base_env: The environment every worker starts from (sent once per message).
             starts: The workers; each one's ``env`` is laid over ``base_env``.
-            on_spawned: Called (on this thread) with each start's index and outcome as
-                soon as it is known.
 
         Returns:
             Per start, in order: ``(pid, watch)``, or the error that kept it from running:
@@ -280,10 +266,7 @@ class Watchdog:
             batch = self.send_batch(base, starts[first : first + MAX_BATCH], block=True)
             try:
                 while not batch.done:
-                    for outcome in batch.receive(block=True):
-                        if on_spawned is not None:
-                            on_spawned(len(spawned), outcome)
-                        spawned.append(outcome)
+                    spawned += batch.receive(block=True)
             finally:
                 batch.close()
         return spawned
@@ -373,7 +356,7 @@ class Watchdog:
         assert sock is not None
         flags = 0 if block else socket.MSG_DONTWAIT
         if len(body) < _INLINE_MAX:
-            sock.sendmsg([b"B" + body], [_rights(fds)], flags)
+            socket.send_fds(sock, [b"B" + body], fds, flags)
             return
         # Larger than one datagram may be (the socket's send buffer): a memfd.
         memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
@@ -381,7 +364,7 @@ class Watchdog:
             view = memoryview(body)
             while view:
                 view = view[os.write(memfd, view) :]
-            sock.sendmsg([b"M"], [_rights([*fds, memfd])], flags)
+            socket.send_fds(sock, [b"M"], [*fds, memfd], flags)
         finally:
             os.close(memfd)
 
