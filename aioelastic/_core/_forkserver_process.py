@@ -351,7 +351,9 @@ class _Server:
         travel in the request is not seen here, so it gets the main module in any case.
         Returns why the import failed, if it did.
         """
-        if self._main_prep is not None and (call is None or b"__main__" in call):
+        if call is not None and b"__main__" not in call:
+            return None
+        if self._main_prep is not None:
             prep, self._main_prep = self._main_prep, None
             self._drop_spares(0)  # forked without it
             try:
@@ -361,9 +363,7 @@ class _Server:
                     "the fork server could not import the supervisor's main module, "
                     f"which the call refers to: {traceback.format_exc().strip()}"
                 )
-        if self._main_error is not None and (call is None or b"__main__" in call):
-            return self._main_error
-        return None
+        return self._main_error
 
     def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
         self._spares_failed = False
