@@ -430,7 +430,7 @@ def test_a_forked_worker_gets_a_console_of_its_own(supervise: Any, tmp_path: Pat
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_a_pump_closed_from_another_task_leaves_no_stale_registration() -> None:
-    # The exit path drains and closes a pipe from the monitor task while the pump task
+    # The exit path drains and closes a pipe from the exit callback while the pump task
     # sleeps on it; the descriptor number is then free for the next pipe or pidfd.
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     pump = StreamPump(read_end, log_path=None, console=None, prefix=b"", keep_tail=True)

@@ -9,6 +9,8 @@ directories were created. So every entry point checks first and refuses with one
 
 from __future__ import annotations
 
+import contextvars
+
 import sniffio
 
 
@@ -32,3 +34,15 @@ def require_asyncio(what: str) -> None:
             "backend is not supported (signals, worker pipes and the launcher threads use "
             "asyncio's event loop)."
         )
+
+
+def callback_context() -> contextvars.Context:
+    """A copy of the current context in which anyio knows that it runs on asyncio.
+
+    anyio finds its backend through sniffio, which outside a task (in a reader callback
+    of the event loop) finds none: a callback that starts a task or makes a cancel scope
+    runs in a copy of this context instead.
+    """
+    context = contextvars.copy_context()
+    context.run(sniffio.current_async_library_cvar.set, "asyncio")
+    return context

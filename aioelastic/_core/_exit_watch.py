@@ -5,10 +5,13 @@ has signalled its process group for the last time. While the leader is unreaped 
 (and so its process-group id) cannot be reused, so ``killpg(pgid)`` can never hit an
 unrelated process group that happens to get the same number.
 
-Three ways to watch, chosen by :func:`watch_child`:
+A watch calls back once, from the event loop, when the exit is known (:meth:`ExitWatch.
+on_exit`): a reader callback on a file descriptor, not a task per worker — a task and
+its cancel scopes cost more than the rest of a binary worker's bookkeeping. Three ways
+to watch, chosen by :func:`watch_child`:
 
-* :class:`PidfdWatch` — a pidfd becomes readable when the process exits; anyio waits on
-  it like on a socket. No thread, no polling.
+* :class:`PidfdWatch` — a pidfd becomes readable when the process exits. No thread, no
+  polling.
 * :class:`ThreadWatch` — the fallback where pidfds are missing: a thread blocks in
   ``waitid(WNOWAIT)``. (A ``multiprocessing`` sentinel would be the other option, but a
   grandchild that inherited the pipe keeps it open after the worker's own exit.)
@@ -18,29 +21,48 @@ Three ways to watch, chosen by :func:`watch_child`:
 
 from __future__ import annotations
 
-import math
+import asyncio
 import os
 import signal
+import threading
 from collections.abc import Callable
 from typing import Protocol
-
-import anyio
-import anyio.to_thread
 
 from . import _platform
 from ._runtime import runtime
 from ._status import STATUS, decode_status
 
+#: What a watch reports: the exit code (negative: killed by that signal), or why the
+#: exit status could not be learnt (:class:`ExitNotSeen`, or the error of the read).
+ExitOutcome = int | Exception
+OnExit = Callable[[ExitOutcome], None]
+
+
+class ExitNotSeen(Exception):
+    """The watch was given up (:meth:`ExitWatch.abandon`) before the exit was seen."""
+
 
 class ExitWatch(Protocol):
-    """Waits for one process's exit and reaps it afterwards."""
+    """Watches one process's exit and reaps it afterwards."""
 
     pid: int
 
-    async def wait(self) -> int:
-        """Return the exit code (negative: killed by that signal) once the process exited.
+    def on_exit(self, callback: OnExit) -> None:
+        """Call ``callback`` once, from the running event loop, with the exit's outcome.
 
-        Only one task may wait at a time; the process stays unreaped.
+        The process stays unreaped. Called at most once per watch.
+        """
+        ...
+
+    def abandon(self) -> None:
+        """Stop watching: ``callback`` gets :class:`ExitNotSeen` now, unless it was called."""
+        ...
+
+    async def wait(self) -> int:
+        """The exit code, once the process exited (see :meth:`on_exit`).
+
+        Raises:
+            Exception: What kept the exit status from being read.
         """
         ...
 
@@ -49,26 +71,100 @@ class ExitWatch(Protocol):
         ...
 
 
-class PidfdWatch:
-    """Exit of one of our children through a pidfd."""
+class _LoopWatch:
+    """One callback, called once from the event loop; the reader it waits with, if any."""
 
-    def __init__(self, pid: int, pidfd: int) -> None:
+    def __init__(self, pid: int) -> None:
         self.pid = pid
-        self._pidfd: int | None = pidfd
-        self._returncode: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._callback: OnExit | None = None
+        self._delivered = False
+        #: The fd whose reader callback is registered now, if one is.
+        self._reading: int | None = None
+
+    def on_exit(self, callback: OnExit) -> None:
+        """See :meth:`ExitWatch.on_exit`."""
+        if self._loop is not None:
+            raise RuntimeError(f"the exit of pid {self.pid} is watched already")
+        self._loop = asyncio.get_running_loop()
+        self._callback = callback
+        self._begin()
+
+    def abandon(self) -> None:
+        """See :meth:`ExitWatch.abandon`."""
+        self._stop_reading()
+        self._deliver(ExitNotSeen())
 
     async def wait(self) -> int:
         """See :meth:`ExitWatch.wait`."""
-        if self._returncode is None:
-            assert self._pidfd is not None
-            await anyio.wait_readable(self._pidfd)
-            info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)
-            assert info is not None
-            self._returncode = _platform.returncode_from_siginfo(info)
-        return self._returncode
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        def settle(outcome: ExitOutcome) -> None:
+            if future.done():
+                return
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+        self.on_exit(settle)
+        return await future
+
+    def _begin(self) -> None:
+        raise NotImplementedError
+
+    def _read_when_ready(self, fd: int, step: Callable[[], ExitOutcome | None]) -> None:
+        """Once ``fd`` is readable, deliver what ``step`` returns (``None``: not yet)."""
+        assert self._loop is not None
+        self._loop.add_reader(fd, self._on_readable, step)
+        self._reading = fd
+
+    def _on_readable(self, step: Callable[[], ExitOutcome | None]) -> None:
+        self._stop_reading()
+        outcome: ExitOutcome | None
+        try:
+            outcome = step()
+        except Exception as exc:
+            outcome = exc
+        if outcome is not None:
+            self._deliver(outcome)
+
+    def _stop_reading(self) -> None:
+        # Before the fd is closed, always: a registration left behind would belong to
+        # whatever file reuses the number next.
+        if self._reading is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._reading)
+            self._reading = None
+
+    def _deliver(self, outcome: ExitOutcome) -> None:
+        if self._delivered or self._callback is None:
+            return
+        self._delivered = True
+        callback, self._callback = self._callback, None
+        callback(outcome)
+
+
+class PidfdWatch(_LoopWatch):
+    """Exit of one of our children through a pidfd."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        super().__init__(pid)
+        self._pidfd: int | None = pidfd
+
+    def _begin(self) -> None:
+        assert self._pidfd is not None
+        self._read_when_ready(self._pidfd, self._read_status)
+
+    def _read_status(self) -> ExitOutcome:
+        assert self._pidfd is not None
+        info = os.waitid(os.P_PIDFD, self._pidfd, os.WEXITED | os.WNOWAIT)
+        assert info is not None
+        return _platform.returncode_from_siginfo(info)
 
     def reap(self) -> None:
         """See :meth:`ExitWatch.reap`."""
+        self._stop_reading()
         if self._pidfd is None:
             return
         # WNOHANG: teardown may give up on a process that outlived SIGKILL (uninterruptible
@@ -82,37 +178,34 @@ class PidfdWatch:
         runtime.own_children.discard(self.pid)
 
 
-def _waiter_limiter() -> anyio.CapacityLimiter:
-    # Waiter threads block until their process exits, and every worker gets one in
-    # fallback mode: they must not queue behind anyio's default limit of 40 threads.
-    limiter = runtime.exit_waiters
-    if limiter is None:
-        limiter = runtime.exit_waiters = anyio.CapacityLimiter(math.inf)
-    return limiter
-
-
-class ThreadWatch:
+class ThreadWatch(_LoopWatch):
     """Exit of one of our children through a thread blocked in ``waitid``."""
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self._returncode: int | None = None
+        super().__init__(pid)
         self._reaped = False
 
-    def _block_until_exit(self) -> int:
-        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
-        assert info is not None
-        return _platform.returncode_from_siginfo(info)
+    def _begin(self) -> None:
+        # A daemon thread of its own, not a pooled one: it blocks until the process
+        # exits (every worker is eventually killed, so it ends), and WNOWAIT reaps
+        # nothing. Abandoned, its late answer is dropped.
+        threading.Thread(
+            target=self._block_until_exit, name=f"aioelastic-exit-{self.pid}", daemon=True
+        ).start()
 
-    async def wait(self) -> int:
-        """See :meth:`ExitWatch.wait`."""
-        if self._returncode is None:
-            # If this wait is cancelled the thread is abandoned; it still ends, because
-            # every worker is eventually killed, and WNOWAIT means it reaps nothing.
-            self._returncode = await anyio.to_thread.run_sync(
-                self._block_until_exit, abandon_on_cancel=True, limiter=_waiter_limiter()
-            )
-        return self._returncode
+    def _block_until_exit(self) -> None:
+        outcome: ExitOutcome
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+            assert info is not None
+            outcome = _platform.returncode_from_siginfo(info)
+        except Exception as exc:
+            outcome = exc
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody is waiting any more
 
     def reap(self) -> None:
         """See :meth:`ExitWatch.reap`."""
@@ -126,31 +219,34 @@ class ThreadWatch:
         runtime.own_children.discard(self.pid)
 
 
-class StatusPipeWatch:
-    """Exit of a fork-server worker, reported by the server through a status pipe."""
+class StatusPipeWatch(_LoopWatch):
+    """Exit of a worker another process of ours started, reported through a status pipe."""
 
     def __init__(self, pid: int, status_fd: int, release: Callable[[int], None]) -> None:
-        self.pid = pid
+        super().__init__(pid)
         self._status_fd: int | None = status_fd
         self._release = release
-        self._returncode: int | None = None
 
-    async def wait(self) -> int:
-        """See :meth:`ExitWatch.wait`."""
-        if self._returncode is None:
-            assert self._status_fd is not None
-            await anyio.wait_readable(self._status_fd)
-            returncode = decode_status(os.read(self._status_fd, STATUS.size))
-            if returncode is not None:
-                self._returncode = returncode
-            else:
-                # The fork server died before reporting: its workers die with it
-                # (parent-death signal), so report what the kernel did to them.
-                self._returncode = -signal.SIGKILL
-        return self._returncode
+    def _begin(self) -> None:
+        assert self._status_fd is not None
+        self._read_when_ready(self._status_fd, self._read_status)
+
+    def _read_status(self) -> ExitOutcome | None:
+        assert self._status_fd is not None
+        returncode = decode_status(os.read(self._status_fd, STATUS.size))
+        if returncode is None:
+            # The reporting process died first: its workers die with it (parent-death
+            # signal), so report what the kernel did to them.
+            returncode = -signal.SIGKILL
+        return self._exited(returncode)
+
+    def _exited(self, returncode: int) -> ExitOutcome | None:
+        """The outcome of a reported exit (``None``: it is delivered later)."""
+        return returncode
 
     def reap(self) -> None:
         """See :meth:`ExitWatch.reap`."""
+        self._stop_reading()
         if self._status_fd is None:
             return
         os.close(self._status_fd)

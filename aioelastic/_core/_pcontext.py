@@ -9,6 +9,7 @@ warm :mod:`._forkserver`) for a process, whose child side is :mod:`._bootstrap`;
 
 from __future__ import annotations
 
+import contextvars
 import errno
 import functools
 import itertools
@@ -34,10 +35,11 @@ import anyio.to_thread
 
 from . import _launchers, _platform
 from . import _log_root as log_root
-from ._backend import require_asyncio
+from ._backend import callback_context, require_asyncio
 from ._bootstrap import FunctionCall
 from ._console import console
 from ._errors import NOT_AVAILABLE, ProcessFailure
+from ._exit_watch import ExitNotSeen, ExitOutcome
 from ._forkserver import fork_server
 from ._hangs import HangConfig, HangGuard, WorkerHooks
 from ._lazy_event import wait_all
@@ -143,6 +145,8 @@ class PContext:
         self._entered = False
         self._started = False
         self._tg: anyio.abc.TaskGroup | None = None
+        #: The context the workers' exit callbacks run in (made in the loop, when started).
+        self._callbacks = contextvars.Context()
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
         self._stopping = False
@@ -232,6 +236,7 @@ class PContext:
                 rank_prep.close_logs()
             await self._blocking(self._hangs.close)
             raise
+        self._callbacks = callback_context()
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         try:
@@ -465,6 +470,7 @@ class PContext:
                 stderr=stderr_pump,
                 result=ResultReceiver(res_r) if res_r >= 0 else None,
             )
+            launched.watch.on_exit(functools.partial(self._exit_seen, worker))
         except BaseException:
             # The process exists but nothing would ever stop or reap it: do both now.
             with anyio.CancelScope(shield=True):
@@ -475,7 +481,6 @@ class PContext:
                 os.close(launched.payload_fd)
             raise
         self._workers.append(worker)
-        self._tg.start_soon(self._monitor, worker)
         # Reader callbacks, not tasks: a task costs a few kB, two per worker.
         stdout_pump.start()
         stderr_pump.start()
@@ -583,51 +588,64 @@ class PContext:
 
     # -- watching ---------------------------------------------------------------------
 
-    async def _monitor(self, worker: WorkerProcess) -> None:
+    def _exit_seen(self, worker: WorkerProcess, outcome: ExitOutcome) -> None:
+        # A loop callback: anyio (the failure report's task, teardown's) needs to be told
+        # where it runs.
+        self._callbacks.copy().run(self._on_exit, worker, outcome)
+
+    def _on_exit(self, worker: WorkerProcess, outcome: ExitOutcome) -> None:
         """Record the worker's exit, then its outcome — whatever fails on the way.
 
-        The one rule of the exit path: the exit is always recorded (``exited``), with the
-        real exit status, and the outcome always settled (``settled``); a fault while
-        reading the status, the output, the return value or the error file becomes part
-        of this rank's failure instead of escaping. Teardown waits on both events.
-        Shielded: the exit always comes (teardown guarantees it).
+        Called back by the worker's exit watch, from the event loop. The one rule of the
+        exit path: the exit is always recorded (``exited``), with the real exit status,
+        and the outcome always settled (``settled``); a fault while reading the status,
+        the output, the return value or the error file becomes part of this rank's
+        failure instead of escaping. Teardown waits on both events. A success settles
+        here and now; only a failure, whose report reads the error file, takes a task.
         """
-        with anyio.CancelScope(shield=True):
-            try:
-                with worker.watch_scope:
-                    worker.returncode = await worker.launched.watch.wait()
-                if worker.watch_scope.cancelled_caught:
-                    worker.returncode = UNKNOWN_EXIT_CODE
-                    worker.faults.append(
-                        f"was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
-                        "(uninterruptible sleep, or a stopped fork server?); its exit "
-                        "status is unknown"
-                    )
-            except Exception as exc:
-                worker.returncode = UNKNOWN_EXIT_CODE
-                worker.faults.append(
-                    f"exited, but its exit status could not be read ({exc}); "
-                    "was SIGCHLD ignored by another part of this process?"
-                )
-            worker.exit_time = time.time()
+        if isinstance(outcome, ExitNotSeen):
+            worker.returncode = UNKNOWN_EXIT_CODE
+            worker.faults.append(
+                f"was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
+                "(uninterruptible sleep, or a stopped fork server?); its exit "
+                "status is unknown"
+            )
+        elif isinstance(outcome, Exception):
+            worker.returncode = UNKNOWN_EXIT_CODE
+            worker.faults.append(
+                f"exited, but its exit status could not be read ({outcome}); "
+                "was SIGCHLD ignored by another part of this process?"
+            )
+        else:
+            worker.returncode = outcome
+        worker.exit_time = time.time()
+        try:
             self._hangs.exited(worker.pid)
-            try:
-                worker.drain_output()
-            except Exception as exc:
-                worker.faults.append(f"its output could not be read to the end ({exc!r})")
-            worker.exited.set()
-            try:
-                await self._settle(worker)
-            except Exception as exc:
-                logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
-                worker.failure = _bare_failure(
-                    worker, f"worker {worker.local_rank} exit could not be reported: {exc!r}"
-                )
-            finally:
-                worker.settled.set()
-                self._after_settle(worker)
+            worker.drain_output()
+        except Exception as exc:
+            worker.faults.append(f"its output could not be read to the end ({exc!r})")
+        worker.exited.set()
+        try:
+            failed = self._settle_success(worker)
+        except Exception as exc:
+            failed = [f"exit could not be reported: {exc!r}"]
+        if failed is None:
+            self._settled(worker)
+            return
+        try:
+            assert self._tg is not None
+            self._tg.start_soon(self._settle_failure, worker, failed)
+        except Exception as exc:
+            logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
+            # No task can be started (the group's task group is closing): report the
+            # failure without its error file rather than never.
+            worker.failure = _bare_failure(
+                worker, f"worker {worker.local_rank} exit could not be reported: {exc!r}"
+            )
+            self._settled(worker)
 
-    async def _settle(self, worker: WorkerProcess) -> None:
+    def _settle_success(self, worker: WorkerProcess) -> list[str] | None:
+        """Settle ``worker`` as succeeded (or stopped): ``None``; else its problems."""
         assert worker.returncode is not None
         problems = list(worker.faults)
         if worker.returncode == 0 and not problems:
@@ -636,28 +654,47 @@ class PContext:
             # calls os._exit(0)): stopped, not failed.
             if problem is not None and not worker.signalled:
                 problems.append(problem)
-        hang = self._hang_texts.get(worker.local_rank)
-        # A rank the hang guard killed (timer expiry, stall) failed, though we signalled it.
-        own_failure = worker.returncode != 0 and (not worker.signalled or hang is not None)
-        if not problems and not own_failure:
+        if not problems and not self._own_failure(worker):
             # A log file that could not be written (full disk) is reported with the
             # group's result (see _result), not as a failure now: the other workers
             # are not stopped for it.
             worker.succeeded = worker.returncode == 0
-            return
-        problems += worker.log_faults()
-        worker.succeeded = False
-        worker.return_value = None
-        failure = await self._build_failure(worker)
-        if problems:
-            text = "; ".join(problems)
-            if own_failure:
-                failure.message = f"{failure.message}\n(worker {worker.local_rank} also: {text})"
-            else:
-                failure.message = f"worker {worker.local_rank} {text}"
-        if hang is not None:
-            failure.message = f"{hang.rstrip()}\n{failure.message}"
-        worker.failure = failure
+            return None
+        return problems
+
+    def _own_failure(self, worker: WorkerProcess) -> bool:
+        # A rank the hang guard killed (timer expiry, stall) failed, though we signalled it.
+        hang = self._hang_texts.get(worker.local_rank)
+        return worker.returncode != 0 and (not worker.signalled or hang is not None)
+
+    async def _settle_failure(self, worker: WorkerProcess, problems: list[str]) -> None:
+        """Build the failure report of ``worker`` and settle it. Shielded: it always ends."""
+        with anyio.CancelScope(shield=True):
+            try:
+                problems = problems + worker.log_faults()
+                worker.succeeded = False
+                worker.return_value = None
+                own_failure = self._own_failure(worker)
+                failure = await self._build_failure(worker)
+                if problems:
+                    text = "; ".join(problems)
+                    if own_failure:
+                        failure.message = (
+                            f"{failure.message}\n(worker {worker.local_rank} also: {text})"
+                        )
+                    else:
+                        failure.message = f"worker {worker.local_rank} {text}"
+                hang = self._hang_texts.get(worker.local_rank)
+                if hang is not None:
+                    failure.message = f"{hang.rstrip()}\n{failure.message}"
+                worker.failure = failure
+            except Exception as exc:
+                logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
+                worker.failure = _bare_failure(
+                    worker, f"worker {worker.local_rank} exit could not be reported: {exc!r}"
+                )
+            finally:
+                self._settled(worker)
 
     def _collect_return_value(self, worker: WorkerProcess) -> str | None:
         if worker.result is None:
@@ -700,8 +737,9 @@ class PContext:
         )
         return failure
 
-    def _after_settle(self, worker: WorkerProcess) -> None:
-        """Count the outcome of ``worker`` (settled once, just now) into the group's."""
+    def _settled(self, worker: WorkerProcess) -> None:
+        """Mark the outcome of ``worker`` final and count it into the group's."""
+        worker.settled.set()
         if worker.failure is not None:
             self._any_failure = True
         elif worker.succeeded:

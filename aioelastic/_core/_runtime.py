@@ -41,8 +41,6 @@ if TYPE_CHECKING:
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    from anyio import CapacityLimiter
-
 
 class Runtime:
     """The process-wide state of aioelastic (see the module documentation).
@@ -73,8 +71,6 @@ class Runtime:
         self.consoles: dict[str, Any] = {}
         #: One lock per file or pipe the consoles write to (by device and inode).
         self.console_locks: dict[object, threading.Lock] = {}
-        #: Unbounded limiter for the exit-watch ``waitid`` threads (made in a running loop).
-        self.exit_waiters: CapacityLimiter | None = None
         #: Whether ``PR_SET_CHILD_SUBREAPER`` is set (it is not inherited by a fork).
         self.subreaper_enabled = False
         #: Pids of the processes aioelastic started itself and reaps itself.

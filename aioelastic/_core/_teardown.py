@@ -83,7 +83,7 @@ async def stop_workers(
             # Not gone CHILDREN_KILL_TIMEOUT after SIGKILL (uninterruptible sleep, or a
             # fork server that never reports): stop watching, so that teardown ends.
             # Its exit is then recorded with a status marked unknown.
-            worker.watch_scope.cancel()
+            worker.launched.watch.abandon()
             await worker.exited.wait()
     # Nothing below may stop the loop half-way: a worker left unreaped would hold its
     # pid (and group id) forever. Errors are logged, never raised.

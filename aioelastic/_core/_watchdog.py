@@ -47,8 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 from . import _platform, _subreaper
 from ._exit_watch import StatusPipeWatch
 from ._runtime import forget_in_child, runtime
@@ -104,15 +102,14 @@ class SpawnedWatch(StatusPipeWatch):
         super().__init__(pid, status_fd, release)
         self._pidfd = pidfd
 
-    async def wait(self) -> int:
-        """See :meth:`ExitWatch.wait`."""
-        returncode = await super().wait()
+    def _exited(self, returncode: int) -> int | None:
         pidfd = self._pidfd
         if returncode == -signal.SIGKILL and pidfd is not None and not _readable(pidfd):
             # Reported killed but still running: the watchdog died, not the worker. While
             # the leader lives, its group id cannot have been reused.
             _platform.signal_group(self.pid, signal.SIGKILL)
-            await anyio.wait_readable(pidfd)
+            self._read_when_ready(pidfd, lambda: returncode)
+            return None
         return returncode
 
     def reap(self) -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from ._errors import ProcessFailure
 from ._launchers import Launched
 from ._lazy_event import LazyEvent
@@ -38,9 +36,6 @@ class WorkerProcess:
     #: The supervisor signalled it before it exited: its exit is not its own failure.
     signalled: bool = False
     reaped: bool = False
-    #: Around the wait for the exit; teardown cancels it for a worker that outlived
-    #: SIGKILL by its bound, so that nothing waits forever.
-    watch_scope: anyio.CancelScope = field(default_factory=lambda: anyio.CancelScope(shield=True))
     #: Set once the exit is recorded (``returncode`` known), whatever went wrong after.
     exited: LazyEvent = field(default_factory=LazyEvent)
     #: Set once the outcome below is final (``failure`` or ``return_value`` or neither).

@@ -20,7 +20,6 @@ import anyio
 
 from aioelastic._core import _forkserver
 from aioelastic._core._console import console
-from aioelastic._core._exit_watch import _waiter_limiter
 from aioelastic._core._launchers import _launcher_pool, on_launcher_thread
 from aioelastic._core._runtime import Runtime, runtime
 from aioelastic._core._subreaper import enable_subreaper, subreaper_enabled
@@ -43,7 +42,6 @@ async def _use_everything() -> None:
     await _forkserver.fork_server(()).warm_up()
     console("stdout").put(b"parent console line\n")
     await console("stdout").flush()
-    _waiter_limiter()
 
 
 async def _print_in_child() -> None:
@@ -79,7 +77,6 @@ def _child_checks(
             "no watchdog": watchdog.pid is None and watchdog.fileno() is None,
             "parent's watchdog socket closed": _fd_closed(parent_fds["watchdog"]),
             "no console": runtime.consoles == {} and runtime.console_locks == {},
-            "no exit-waiter limiter": runtime.exit_waiters is None,
             "not a subreaper": not subreaper_enabled(),
             "no children of its own": runtime.own_children == set(),
             "stdin not forwarded": not runtime.stdin_forwarded,
