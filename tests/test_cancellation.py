@@ -36,7 +36,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _platform
+from aioelastic._core import _pcontext, _platform
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.waits import ReadyFifo
@@ -197,6 +197,33 @@ async def test_cancel_anywhere_in_start_wait_close(
     finally:
         fifo.close()
     _report(capsys, f"start/wait/close ({method})", runs, points)
+    assert points >= 3
+
+
+@pytest.mark.timeout(300)
+async def test_cancel_anywhere_between_the_slices_of_a_binary_start(
+    tmp_path: Path,
+    private_tmp: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Binaries are handed to the watchdog in slices of the event loop; a cancellation
+    between two records and stops the ones handed over, and starts no other."""
+    monkeypatch.setattr(_pcontext, "_SLICE", 0.0)  # every worker a slice of its own
+    fifo = _Fifo(tmp_path)
+
+    async def scenario(contexts: list[aioelastic.PContext]) -> None:
+        ctx = blocking_group("binary", fifo, redirects=Std.ERR, grace_period=5)
+        contexts.append(ctx)
+        async with ctx:
+            await fifo.lines(2)
+            await ctx.close()
+
+    try:
+        runs, points = await _each_run(scenario, private_tmp, fifo=fifo)
+    finally:
+        fifo.close()
+    _report(capsys, "sliced binary start", runs, points)
     assert points >= 3
 
 

@@ -144,7 +144,7 @@ def _launched(outcome: Spawned) -> Launched | BaseException:
 class BinaryLauncher:
     """Starts the binary workers of one group in batches, from the event loop itself.
 
-    Each worker's set-up task hands its start over with :meth:`start` and awaits its
+    The group's set-up hands each start over with :meth:`submit` and later awaits its
     process. The first start is sent to the watchdog at once; the starts handed over
     while a batch is in flight wait for its answers and then go together, in as few
     messages as the watchdog takes (group commit). The watchdog answers each worker as
@@ -164,19 +164,24 @@ class BinaryLauncher:
         #: Batches sent whose answers are still coming.
         self._in_flight = 0
 
-    async def start(self, start: BinaryStart) -> Launched:
-        """The process of ``start``, once its batch was started.
+    def submit(self, start: BinaryStart) -> asyncio.Future[Launched]:
+        """Hand ``start`` over; the future gets its process once its batch was started.
 
-        Raises:
-            OSError: the binary could not be executed (the errno of ``posix_spawn``).
-            RuntimeError: the watchdog died while starting it.
+        The future always completes: the batch in flight answers (or fails), and then
+        this one goes. Its exception: :class:`OSError`, the binary could not be executed
+        (the errno of ``posix_spawn``); :class:`RuntimeError`, the watchdog died while
+        starting it.
         """
         future: asyncio.Future[Launched] = asyncio.get_running_loop().create_future()
         self._pending.append((start, future))
         if not self._in_flight:
             self._flush()
-        # Shielded: a process that may exist must reach the caller, who records it. The
-        # wait ends: the batch in flight always answers (or fails), and then this one goes.
+        return future
+
+    async def start(self, start: BinaryStart) -> Launched:
+        """The process of ``start`` (see :meth:`submit`)."""
+        future = self.submit(start)
+        # Shielded: a process that may exist must reach the caller, who records it.
         with anyio.CancelScope(shield=True):
             launched = await future
         return launched

@@ -9,6 +9,8 @@ warm :mod:`._forkserver`) for a process, whose child side is :mod:`._bootstrap`;
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextvars
 import errno
 import functools
@@ -49,7 +51,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
-from ._terminal import ConsoleTerminals, open_worker_stdio
+from ._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
 from ._validate import GroupSpec, validate
 from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
@@ -60,8 +62,9 @@ T = TypeVar("T")
 
 #: Groups up to this size make their FIFOs (and remove their files) on the event loop.
 _FILES_ON_LOOP = 8
-#: How long preparing a group's files may hold the event loop before other tasks run.
-_PREPARE_SLICE = 0.002
+#: How long one stretch of a group's set-up (its files, its binaries' starts) may hold
+#: the event loop before other tasks run.
+_SLICE = 0.002
 #: Whether group files are made on the event loop (see PContext._prepare).
 _PREPARE_ON_LOOP = sys.version_info >= (3, 11)
 
@@ -292,7 +295,7 @@ class PContext:
         steps = self._prepare_steps()
         if not _PREPARE_ON_LOOP:
             return await _launchers.on_launcher_thread(_run_to_end, steps)
-        slice_end = time.monotonic() + _PREPARE_SLICE
+        slice_end = time.monotonic() + _SLICE
         try:
             while True:
                 try:
@@ -302,7 +305,7 @@ class PContext:
                     return prepared
                 if time.monotonic() >= slice_end:
                     await anyio.lowlevel.checkpoint()
-                    slice_end = time.monotonic() + _PREPARE_SLICE
+                    slice_end = time.monotonic() + _SLICE
         except BaseException:
             steps.close()  # a cancellation at the checkpoint: the steps clean up
             raise
@@ -388,20 +391,22 @@ class PContext:
         terminals = ConsoleTerminals.probe()
         if self._spec.is_binary:
             self._binaries = _launchers.BinaryLauncher(os.environ)
+            await self._start_binaries(prepared, terminals, errors)
+        else:
 
-        async def start(rank: int) -> None:
-            try:
-                await self._start_worker(rank, prepared[rank], terminals)
-            except Exception as exc:
-                errors.append((rank, exc))
+            async def start(rank: int) -> None:
+                try:
+                    await self._start_worker(rank, prepared[rank], terminals)
+                except Exception as exc:
+                    errors.append((rank, exc))
 
-        async with anyio.create_task_group() as tg:
-            for rank in range(self._spec.nprocs):
-                tg.start_soon(start, rank)
-                # One worker's set-up (pipes, pumps, the hand-off to a launcher thread)
-                # per turn of the event loop, not all of them in one: other tasks keep
-                # running while hundreds of workers start.
-                await anyio.lowlevel.checkpoint()
+            async with anyio.create_task_group() as tg:
+                for rank in range(self._spec.nprocs):
+                    tg.start_soon(start, rank)
+                    # One worker's set-up (pipes, pumps, the hand-off to a launcher
+                    # thread) per turn of the event loop, not all of them in one: other
+                    # tasks keep running while hundreds of workers start.
+                    await anyio.lowlevel.checkpoint()
         if errors:
             rank, exc = errors[0]
             _raise_start_error(exc, f"worker {rank} of {self.name!r}")
@@ -410,19 +415,100 @@ class PContext:
             # server is idle, so that start takes no fork.
             fork_server(self._spec.forkserver_preload).keep_spares(self._spec.nprocs)
 
+    async def _start_binaries(
+        self,
+        prepared: Mapping[int, _Prepared],
+        terminals: ConsoleTerminals,
+        errors: list[tuple[int, BaseException]],
+    ) -> None:
+        """Start every binary worker from this one task, in batches of the watchdog.
+
+        No task per worker: a worker's set-up is a few syscalls, and a task with its
+        cancel scopes cost as much again. The loop runs other tasks every
+        :data:`_SLICE` seconds of set-up. The first failure to set up stops the rest from
+        starting; the ones handed over are recorded (or killed) before the error counts.
+        """
+        spec = self._spec
+        assert self._binaries is not None
+        handed: collections.deque[tuple[int, _Opening, asyncio.Future[_launchers.Launched]]]
+        handed = collections.deque()
+
+        async def record(rank: int, opening: _Opening, future: asyncio.Future[Any]) -> None:
+            try:
+                try:
+                    launched = await future
+                finally:
+                    opening.close_child_ends()
+            except Exception as exc:
+                opening.abort()
+                errors.append((rank, exc))
+                return
+            await self._record(rank, opening, prepared[rank], launched)
+
+        interrupted: BaseException | None = None
+        slice_end = time.monotonic() + _SLICE
+        try:
+            for rank in range(spec.nprocs):
+                try:
+                    opening = self._open_worker(rank, prepared[rank], terminals)
+                except Exception as exc:
+                    errors.append((rank, exc))
+                    break
+                argv = [str(spec.entrypoint), *spec.args[rank]]
+                start = BinaryStart(
+                    argv, prepared[rank].env, opening.out_w, opening.err_w, opening.stdin
+                )
+                handed.append((rank, opening, self._binaries.submit(start)))
+                # The ones the watchdog has started already are put to use at once
+                # (their pipes read, their exits watched) while it spawns on.
+                while handed and handed[0][2].done():
+                    await record(*handed.popleft())
+                if time.monotonic() >= slice_end:
+                    await anyio.lowlevel.checkpoint()
+                    slice_end = time.monotonic() + _SLICE
+        except BaseException as exc:
+            # Cancelled between slices: what was handed over may exist, so it is
+            # recorded first (it is torn down with the group), then this goes on.
+            interrupted = exc
+        with anyio.CancelScope(shield=True):
+            while handed:
+                await record(*handed.popleft())
+                if time.monotonic() >= slice_end:
+                    await anyio.lowlevel.checkpoint()
+                    slice_end = time.monotonic() + _SLICE
+        if interrupted is not None:
+            raise interrupted
+
     async def _start_worker(
         self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals
     ) -> None:
+        opening = self._open_worker(rank, prepared, terminals)
+        try:
+            try:
+                launched = await self._launch(
+                    prepared,
+                    opening.out_w,
+                    opening.err_w,
+                    opening.res_w,
+                    opening.parent_ends,
+                    opening.stdin,
+                )
+            finally:
+                opening.close_child_ends()
+        except BaseException:
+            opening.abort()
+            raise
+        await self._record(rank, opening, prepared, launched)
+
+    def _open_worker(self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals) -> _Opening:
+        """The pipes and pumps of a worker about to start (all closed if this fails)."""
         spec = self._spec
         assert self._log_root is not None
-        assert self._tg is not None
         rank_dir = self._log_root / str(rank)
         stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
         stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
         # Every fd made here is closed on any failure (EMFILE can strike at each step).
-        child_ends: list[int] = []
-        parent_ends: list[int] = []
-        pumps: list[StreamPump] = []
+        opening = _Opening(prepared)
         try:
             stdio = open_worker_stdio(
                 stdout_plain=_plain(stdout),
@@ -430,45 +516,57 @@ class PContext:
                 single_worker=spec.nprocs == 1,
                 terminals=terminals,
             )
-            child_ends += stdio.child_ends()
-            parent_ends += stdio.parent_ends()
-            out_r, out_w = stdio.stdout_r, stdio.stdout_w
-            err_r, err_w = stdio.stderr_r, stdio.stderr_w
-            res_r, res_w = -1, -1
+            opening.stdio = stdio
+            opening.child_ends += stdio.child_ends()
+            opening.parent_ends += stdio.parent_ends()
             if not spec.is_binary:
-                res_r, res_w = os.pipe2(os.O_CLOEXEC)
-                parent_ends.append(res_r)
-                child_ends.append(res_w)
-            stdout_pump = StreamPump(
-                out_r, **stdout, live=stdio.live_stdout, log_fd=prepared.take_log(Std.OUT)
+                opening.res_r, opening.res_w = os.pipe2(os.O_CLOEXEC)
+                opening.parent_ends.append(opening.res_r)
+                opening.child_ends.append(opening.res_w)
+            opening.pumps.append(
+                StreamPump(
+                    stdio.stdout_r,
+                    **stdout,
+                    live=stdio.live_stdout,
+                    log_fd=prepared.take_log(Std.OUT),
+                )
             )
-            pumps.append(stdout_pump)
-            stderr_pump = StreamPump(
-                err_r, **stderr, live=stdio.live_stderr, log_fd=prepared.take_log(Std.ERR)
-            )
-            pumps.append(stderr_pump)
-            launched = await self._launch(
-                rank, prepared, out_w, err_w, res_w, parent_ends, stdio.stdin
+            opening.pumps.append(
+                StreamPump(
+                    stdio.stderr_r,
+                    **stderr,
+                    live=stdio.live_stderr,
+                    log_fd=prepared.take_log(Std.ERR),
+                )
             )
         except BaseException:
-            prepared.close_logs()
-            _close_parent_ends(pumps, parent_ends)
+            opening.close_child_ends()
+            opening.abort()
             raise
-        finally:
-            for fd in child_ends:
-                os.close(fd)
+        return opening
+
+    async def _record(
+        self, rank: int, opening: _Opening, prepared: _Prepared, launched: _launchers.Launched
+    ) -> None:
+        """Make the started process a worker of the group, watched and pumped."""
+        assert self._log_root is not None
+        assert opening.stdio is not None
+        stdio = opening.stdio
+        stdout_pump, stderr_pump = opening.pumps
+        logged = self._logged(rank)
         try:
             watchdog.watch(launched.pid)
             self._hangs.started(rank, launched.pid)
+            rank_dir = self._log_root / str(rank)
             worker = WorkerProcess(
                 local_rank=rank,
                 launched=launched,
                 error_file=prepared.error_file,
-                stdout_path=str(rank_dir / "stdout.log") if Std.OUT in self._logged(rank) else "",
-                stderr_path=str(rank_dir / "stderr.log") if Std.ERR in self._logged(rank) else "",
+                stdout_path=str(rank_dir / "stdout.log") if Std.OUT in logged else "",
+                stderr_path=str(rank_dir / "stderr.log") if Std.ERR in logged else "",
                 stdout=stdout_pump,
                 stderr=stderr_pump,
-                result=ResultReceiver(res_r) if res_r >= 0 else None,
+                result=ResultReceiver(opening.res_r) if opening.res_r >= 0 else None,
             )
             launched.watch.on_exit(functools.partial(self._exit_seen, worker))
         except BaseException:
@@ -476,7 +574,7 @@ class PContext:
             with anyio.CancelScope(shield=True):
                 await _launchers.on_launcher_thread(_launchers.kill_and_reap, launched)
             watchdog.forget(launched.pid)
-            _close_parent_ends(pumps, parent_ends)
+            opening.abort()
             if launched.payload_fd is not None:
                 os.close(launched.payload_fd)
             raise
@@ -494,7 +592,6 @@ class PContext:
 
     async def _launch(
         self,
-        rank: int,
         prepared: _Prepared,
         out_w: int,
         err_w: int,
@@ -504,10 +601,6 @@ class PContext:
     ) -> _launchers.Launched:
         spec = self._spec
         payload, env = prepared.payload, prepared.env
-        if spec.is_binary:
-            assert self._binaries is not None
-            argv = [str(spec.entrypoint), *spec.args[rank]]
-            return await self._binaries.start(BinaryStart(argv, env, out_w, err_w, stdin))
         if isinstance(payload, FunctionCall):
             # The forked child inherits every fd; these it must not keep (the watchdog's
             # pipe would otherwise outlive us in a grandchild).
@@ -951,6 +1044,51 @@ def _bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
         message=message or f"exited with code {worker.returncode}",
         timestamp=worker.exit_time or time.time(),
     )
+
+
+@dataclass(eq=False)
+class _Opening:
+    """The fds and pumps of one worker being started, until it is recorded (or fails)."""
+
+    prepared: _Prepared
+    stdio: WorkerStdio | None = None
+    #: The ends the child gets: closed here once it was started (or could not be).
+    child_ends: list[int] = field(default_factory=list)
+    #: Our ends: owned by the pumps and the result receiver once it is recorded.
+    parent_ends: list[int] = field(default_factory=list)
+    pumps: list[StreamPump] = field(default_factory=list)
+    res_r: int = -1
+    res_w: int = -1
+
+    @property
+    def out_w(self) -> int:
+        """The child's stdout (its write end)."""
+        assert self.stdio is not None
+        return self.stdio.stdout_w
+
+    @property
+    def err_w(self) -> int:
+        """The child's stderr (its write end)."""
+        assert self.stdio is not None
+        return self.stdio.stderr_w
+
+    @property
+    def stdin(self) -> int | None:
+        """The child's own stdin, if it gets one."""
+        assert self.stdio is not None
+        return self.stdio.stdin
+
+    def close_child_ends(self) -> None:
+        """Close the child's ends (it holds its own copies once started). Idempotent."""
+        ends, self.child_ends = self.child_ends, []
+        for fd in ends:
+            os.close(fd)
+
+    def abort(self) -> None:
+        """Close our ends and the log files: the worker will not run."""
+        self.prepared.close_logs()
+        _close_parent_ends(self.pumps, self.parent_ends)
+        self.pumps, self.parent_ends = [], []
 
 
 def _close_parent_ends(pumps: list[StreamPump], parent_ends: list[int]) -> None:

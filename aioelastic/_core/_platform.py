@@ -160,11 +160,14 @@ def _processes() -> Iterator[tuple[int, str, int, int]]:
             yield pid, *info
 
 
-def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
+def live_group_members(pgids: set[int], *, leaders_exited: bool = False) -> dict[int, list[int]]:
     """The running (non-zombie) processes of each process group in ``pgids``.
 
     A group with no live member is absent from the result. Used only during teardown,
-    to wait for and kill the children of workers.
+    to wait for and kill the children of workers. ``leaders_exited``: the caller knows
+    every group's leader (pid = pgid) has exited, so the leaders are skipped unread —
+    in a group of hundreds of exited workers, reading their stat files was most of the
+    scan.
 
     Raises:
         OSError: ``/proc`` cannot be listed (see :func:`_pids`).
@@ -174,6 +177,8 @@ def live_group_members(pgids: set[int]) -> dict[int, list[int]]:
         return members
     getpgid = os.getpgid
     for pid in _pids():
+        if leaders_exited and pid in pgids:
+            continue
         # One getpgid() per process, not a read of its stat file: a tenth of the cost
         # (no file to open, no text to format), and teardown scans every process of the
         # machine. Only the few members found have their stat read, for their state.

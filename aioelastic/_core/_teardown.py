@@ -207,7 +207,8 @@ def _run_scan(loop: asyncio.AbstractEventLoop, scan: _Scan) -> None:
     if _next_scans.get(loop) is scan:
         del _next_scans[loop]
     try:
-        scan.members = _platform.live_group_members(scan.pgids)
+        # Every request joined after its leaders exited (see _groups_empty).
+        scan.members = _platform.live_group_members(scan.pgids, leaders_exited=True)
     except OSError as exc:
         scan.error = exc
     scan.done.set()
