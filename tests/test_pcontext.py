@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -111,6 +113,57 @@ async def test_failure_stops_siblings_and_reports_only_the_failed_rank(
     assert "ValueError: boom" in failure.message
     assert "py_callstack" in str(failure.error_file_data)
     assert not is_running(sibling)
+
+
+@pytest.mark.timeout(60)
+async def test_a_failure_stops_its_siblings_before_its_report_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Teardown starts at the failing exit, beside the report, not after it.
+
+    The report reads the error file on a thread, bounded by REPORT_TIMEOUT (10 s) for a
+    slow filesystem. Here the read of rank 0's file (a slow filesystem: the one thing
+    mocked) returns only once its sibling is gone: were the siblings stopped after the
+    report, it would wait its full 20 s and the group would end later still.
+    """
+    ready = ReadyFifo(tmp_path, "ready")
+    go = tmp_path / "go.fifo"
+    os.mkfifo(go)
+    sibling_pidfd: list[int] = []
+    read_report = aioelastic.ProcessFailure.from_exit
+    sibling_gone: list[bool] = []
+
+    def slow_report(**kwargs: Any) -> aioelastic.ProcessFailure:
+        if kwargs["local_rank"] == 0:
+            readable, _, _ = select.select(sibling_pidfd, [], [], 20)
+            sibling_gone.append(bool(readable))
+        return read_report(**kwargs)
+
+    monkeypatch.setattr(aioelastic.ProcessFailure, "from_exit", slow_report)
+    try:
+        async with aioelastic.start_processes(
+            "siblings",
+            core.behave,
+            {0: ("fail_after_ready", str(ready.path), str(go)), 1: ("block", str(ready.path))},
+            envs(2),
+            grace_period=30,
+        ) as ctx:
+            await ready.lines(2)
+            sibling_pidfd.append(os.pidfd_open(ctx.pids()[1]))
+            with open(go, "w") as f:
+                f.write("go\n")
+            started = time.monotonic()
+            result = await ctx.wait()
+            elapsed = time.monotonic() - started
+    finally:
+        ready.close()
+        for fd in sibling_pidfd:
+            os.close(fd)
+    assert sibling_gone == [True]
+    assert elapsed < 10
+    assert result is not None
+    assert list(result.failures) == [0]
+    assert "failed on purpose" in result.failures[0].message
 
 
 async def test_sibling_stopped_by_supervisor_is_not_a_failure(

@@ -160,7 +160,7 @@ class PContext:
         self._io_finished = False
         # Kept as each worker settles, so that an exit costs the same whatever N is: a
         # scan of every worker per exit made a group's end quadratic in its size.
-        #: Whether any worker has a failure (``failure`` is never unset once set).
+        #: Whether any worker failed (from its exit on; its report may still be built).
         self._any_failure = False
         #: How many workers settled as succeeded.
         self._succeeded = 0
@@ -725,7 +725,11 @@ class PContext:
         if failed is None:
             self._settled(worker)
             return
+        # The group failed now: its teardown starts at once, while the report (which
+        # reads the error file on a thread) is built beside it.
+        self._any_failure = True
         try:
+            self._stop_if_failed()
             assert self._tg is not None
             self._tg.start_soon(self._settle_failure, worker, failed)
         except Exception as exc:
@@ -816,6 +820,15 @@ class PContext:
             exit_time=worker.exit_time,
             stderr_tail=worker.stderr.tail_lines(),
         )
+        try:
+            os.lstat(worker.error_file)
+        except FileNotFoundError:
+            # No error file (a binary's usual failure, a crash): nothing to read, so no
+            # thread hop on the way to the report. The path is in our own log directory,
+            # which the loop writes to anyway.
+            return build()
+        except OSError:
+            pass
         fault = f"timed out after {REPORT_TIMEOUT:g} s"
         with anyio.move_on_after(REPORT_TIMEOUT):
             try:
