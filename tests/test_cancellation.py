@@ -170,9 +170,23 @@ async def _check_stopped(ctx: aioelastic.PContext, audit: Audit) -> None:
         audit.fail("processes", f"process groups still have members: {members}")
 
 
-def _report(capsys: pytest.CaptureFixture[str], what: str, runs: int, points: int) -> None:
+async def _run_each(
+    scenario: Scenario,
+    tmp: Path,
+    capsys: pytest.CaptureFixture[str],
+    what: str,
+    *,
+    fifo: _Fifo | None = None,
+) -> int:
+    """:func:`_each_run`, its summary printed and ``fifo`` closed; returns the suspensions."""
+    try:
+        runs, points = await _each_run(scenario, tmp, fifo=fifo)
+    finally:
+        if fifo is not None:
+            fifo.close()
     with capsys.disabled():
         print(f"\n{what}: {points} suspension points, {runs} runs, nothing left behind")
+    return points
 
 
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn", "binary"])
@@ -192,11 +206,9 @@ async def test_cancel_anywhere_in_start_wait_close(
             await ctx.close()
             await ctx.wait()
 
-    try:
-        runs, points = await _each_run(scenario, private_tmp, fifo=fifo)
-    finally:
-        fifo.close()
-    _report(capsys, f"start/wait/close ({method})", runs, points)
+    points = await _run_each(
+        scenario, private_tmp, capsys, f"start/wait/close ({method})", fifo=fifo
+    )
     assert points >= 3
 
 
@@ -219,11 +231,7 @@ async def test_cancel_anywhere_between_the_slices_of_a_binary_start(
             await fifo.lines(2)
             await ctx.close()
 
-    try:
-        runs, points = await _each_run(scenario, private_tmp, fifo=fifo)
-    finally:
-        fifo.close()
-    _report(capsys, "sliced binary start", runs, points)
+    points = await _run_each(scenario, private_tmp, capsys, "sliced binary start", fifo=fifo)
     assert points >= 3
 
 
@@ -256,11 +264,7 @@ async def test_cancel_anywhere_while_a_failure_tears_the_group_down(
             assert result is not None
             assert {r: f.exitcode for r, f in result.failures.items()} == {0: 3}
 
-    try:
-        runs, points = await _each_run(scenario, private_tmp, fifo=fifo)
-    finally:
-        fifo.close()
-    _report(capsys, "failure teardown", runs, points)
+    await _run_each(scenario, private_tmp, capsys, "failure teardown", fifo=fifo)
 
 
 @pytest.mark.timeout(300)
@@ -284,11 +288,7 @@ async def test_cancel_anywhere_in_a_grace_period(
             await fifo.lines(2)
             await ctx.close()
 
-    try:
-        runs, points = await _each_run(scenario, private_tmp, fifo=fifo)
-    finally:
-        fifo.close()
-    _report(capsys, "close with a grace period", runs, points)
+    await _run_each(scenario, private_tmp, capsys, "close with a grace period", fifo=fifo)
 
 
 @pytest.mark.parametrize("method", ["fork", "binary"])
@@ -309,8 +309,7 @@ async def test_cancel_anywhere_in_run_processes(
             )
         assert not result.is_failed()
 
-    runs, points = await _each_run(_collecting(scenario), private_tmp)
-    _report(capsys, f"run_processes ({method})", runs, points)
+    await _run_each(_collecting(scenario), private_tmp, capsys, f"run_processes ({method})")
 
 
 def _collecting(scenario: Scenario) -> Scenario:
@@ -352,5 +351,4 @@ async def test_cancel_anywhere_in_a_start_that_fails(
             async with ctx:
                 pass
 
-    runs, points = await _each_run(scenario, private_tmp)
-    _report(capsys, "a start that fails", runs, points)
+    await _run_each(scenario, private_tmp, capsys, "a start that fails")

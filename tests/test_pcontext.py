@@ -43,6 +43,22 @@ def envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
     return {rank: dict(extra) for rank in range(n)}
 
 
+def _failing_and_blocking(ready: ReadyFifo, go: Path, grace_period: float) -> aioelastic.PContext:
+    """Rank 0 fails once ``go`` is written to (see :func:`_release`), rank 1 blocks."""
+    return aioelastic.start_processes(
+        "siblings",
+        core.behave,
+        {0: ("fail_after_ready", str(ready.path), str(go)), 1: ("block", str(ready.path))},
+        envs(2),
+        grace_period=grace_period,
+    )
+
+
+def _release(go: Path) -> None:
+    with open(go, "w") as f:
+        f.write("go\n")
+
+
 @pytest.mark.parametrize("method", METHODS)
 async def test_function_workers_return_values(method: str) -> None:
     result = await aioelastic.run_processes(
@@ -141,17 +157,10 @@ async def test_a_failure_stops_its_siblings_before_its_report_is_read(
 
     monkeypatch.setattr(aioelastic.ProcessFailure, "from_exit", slow_report)
     try:
-        async with aioelastic.start_processes(
-            "siblings",
-            core.behave,
-            {0: ("fail_after_ready", str(ready.path), str(go)), 1: ("block", str(ready.path))},
-            envs(2),
-            grace_period=30,
-        ) as ctx:
+        async with _failing_and_blocking(ready, go, grace_period=30) as ctx:
             await ready.lines(2)
             sibling_pidfd.append(os.pidfd_open(ctx.pids()[1]))
-            with open(go, "w") as f:
-                f.write("go\n")
+            _release(go)
             started = time.monotonic()
             result = await ctx.wait()
             elapsed = time.monotonic() - started
@@ -173,16 +182,9 @@ async def test_sibling_stopped_by_supervisor_is_not_a_failure(
     go = tmp_path / "go.fifo"
     os.mkfifo(go)
     try:
-        async with aioelastic.start_processes(
-            "siblings",
-            core.behave,
-            {0: ("fail_after_ready", str(ready.path), str(go)), 1: ("block", str(ready.path))},
-            envs(2),
-            grace_period=5,
-        ) as ctx:
+        async with _failing_and_blocking(ready, go, grace_period=5) as ctx:
             await ready.lines(2)
-            with open(go, "w") as f:
-                f.write("go\n")
+            _release(go)
             started = time.monotonic()
             result = await ctx.wait()
             noticed = time.monotonic() - started
