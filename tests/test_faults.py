@@ -345,6 +345,29 @@ def test_rlimit_nofile_sweep_ends_each_run_with_a_result_or_a_ulimit_error(metho
     assert left == {"children": [], "fds": []}
 
 
+def test_rlimit_nofile_sweep_of_binaries_ends_each_run_with_a_result_or_a_ulimit_error() -> None:
+    # Binaries are set up and handed to the watchdog from one task: EMFILE at each step
+    # (pipes, log files, the batch's sockets, the pidfd of a process that exists) fails
+    # the start with the ulimit error, and whatever was handed over is stopped and reaped.
+    proc, took = supervise("nofile_sweep", "14", "60", "3", "binary", timeout=240)
+    assert took < 240
+    assert proc.returncode == 0, proc.stderr
+    *runs, left = json_lines(proc.stderr)
+    assert [run["limit"] for run in runs] == list(range(14, 61))
+    none = {str(r): "None" for r in range(3)}
+    ok = {"exitcodes": {}, "messages": {}, "return_values": none, "failed": False}
+    for run in runs:
+        if "error" in run:
+            match = _ULIMIT_ERROR.fullmatch(run["error"])
+            assert match, run
+            assert int(match.group(2)) == run["limit"]
+        else:
+            assert run == {"limit": run["limit"], **ok}
+    assert "error" in runs[0]
+    assert "error" not in runs[-1]
+    assert left == {"children": [], "fds": []}
+
+
 def test_teardown_completes_with_no_file_descriptor_left(tmp_path: Path) -> None:
     # Workers whose grandchildren ignore SIGTERM; then every free fd is taken: /proc
     # cannot be listed and no pidfd opened while close() runs. The groups must not be

@@ -443,7 +443,11 @@ class PContext:
                 opening.abort()
                 errors.append((rank, exc))
                 return
-            await self._record(rank, opening, prepared[rank], launched)
+            try:
+                await self._record(rank, opening, prepared[rank], launched)
+            except Exception as exc:
+                # Killed and closed by _record; the others handed over still get recorded.
+                errors.append((rank, exc))
 
         interrupted: BaseException | None = None
         slice_end = time.monotonic() + _SLICE

@@ -177,6 +177,8 @@ async def teardown_without_fds(directory: str) -> None:
 async def nofile_sweep(low: str, high: str, nprocs: str, method: str = "spawn") -> None:
     """Run the same group at each RLIMIT_NOFILE from ``low`` to ``high``.
 
+    ``method``: a start method of function workers, or ``binary`` (``/bin/true``).
+
     One JSON line per limit, then one with what was left behind: live or unreaped
     children and open fds beyond those of the first run (which starts the watchdog).
     """
@@ -185,6 +187,16 @@ async def nofile_sweep(low: str, high: str, nprocs: str, method: str = "spawn") 
 
     async def run() -> dict[str, Any]:
         try:
+            if method == "binary":
+                # Binaries: the watchdog starts them, in batches handed over in slices.
+                result = await aioelastic.run_processes(
+                    "nofile",
+                    "/bin/true",
+                    {r: () for r in range(n)},
+                    {r: {} for r in range(n)},
+                    redirects=aioelastic.Std.ALL,
+                )
+                return _describe(result)
             result = await aioelastic.run_processes(
                 "nofile",
                 core.add,
