@@ -529,3 +529,15 @@ async def test_teardown_is_bounded_when_an_exit_is_never_reported(tmp_path: Path
         fifo.close()
         if server_pid is not None:
             os.kill(server_pid, signal.SIGCONT)
+    # Continued, the server finds the release of the given-up worker and that worker's
+    # exit in one batch of events, in either order, and serves on (it once died of it).
+    again = await aioelastic.run_processes(
+        "after",
+        core.add,
+        {0: (1, 2)},
+        envs(1),
+        start_method="forkserver",
+        forkserver_preload=preload,
+    )
+    assert again.return_values == {0: 3}
+    assert fork_server(preload).pid == server_pid

@@ -537,7 +537,11 @@ class _Server:
         self._write_status(pid, _platform.returncode_from_siginfo(info))
 
     def _report_exit(self, pid: int) -> None:
-        child = self._children[pid]
+        child = self._children.get(pid)
+        if child is None:
+            # Reaped by a release read in the same batch of events (a supervisor that gave
+            # up on the exit, say while we were stopped): its pidfd is closed already.
+            return
         assert child.pidfd is not None
         self._selector.unregister(child.pidfd)
         info = os.waitid(os.P_PIDFD, child.pidfd, os.WEXITED | os.WNOWAIT)
@@ -560,9 +564,11 @@ class _Server:
         child = self._children.pop(pid, None)
         if child is None:
             return
-        # Released only after the supervisor's teardown saw the exit, so this never blocks.
+        # WNOHANG: a supervisor that gave up on an exit (a worker in uninterruptible sleep
+        # past its SIGKILL bound) releases a process that may still run; waiting for it
+        # would stop every other start. It is left to whoever reaps us.
         try:
-            os.waitpid(pid, 0)
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
         with self._lock:

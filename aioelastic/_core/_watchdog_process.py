@@ -276,7 +276,10 @@ class _Server:
         # group id may be reused from now on, so it is no longer ours to kill.
         groups.discard(pid)
         try:
-            os.waitpid(pid, 0)
+            # WNOHANG: a supervisor that gave up on an exit (a worker in uninterruptible
+            # sleep past its SIGKILL bound) releases a process that may still run; waiting
+            # for it would stop every other start. It is left to whoever reaps us.
+            os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
         with self._lock:
