@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -375,16 +376,11 @@ async def test_spares_are_let_go_when_no_longer_wanted_and_die_with_their_server
         _stop(preload)
 
 
-@pytest.mark.timeout(60)
-def test_the_server_imports_the_main_script_only_for_a_call_that_refers_to_it(
-    tmp_path: Path,
-) -> None:
-    # A call to a module's function never runs the supervisor's script in the server
-    # (that import would lengthen every cold start); a function of the script still works.
-    marks = tmp_path / "marks"
+def _script_report(script: str, *args: str) -> Any:
+    """Run ``tests/children/SCRIPT ARGS`` as a main script (bounded, exit 0); its JSON."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(Path(REPO_ROOT) / "tests" / "children" / "lazy_main.py"), str(marks)],
+        [sys.executable, str(Path(REPO_ROOT) / "tests" / "children" / script), *args],
         cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": REPO_ROOT},
         capture_output=True,
@@ -393,7 +389,16 @@ def test_the_server_imports_the_main_script_only_for_a_call_that_refers_to_it(
     )
     assert time.monotonic() - start < 50
     assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.timeout(60)
+def test_the_server_imports_the_main_script_only_for_a_call_that_refers_to_it(
+    tmp_path: Path,
+) -> None:
+    # A call to a module's function never runs the supervisor's script in the server
+    # (that import would lengthen every cold start); a function of the script still works.
+    report = _script_report("lazy_main.py", str(tmp_path / "marks"))
     assert report["module_call"] == {"0": 3}
     assert report["after_module_call"] == ["__main__"]
     assert report["script_call"] == {"0": 42}
@@ -430,19 +435,7 @@ def test_a_main_script_the_server_cannot_import_fails_only_the_calls_that_need_i
     # The script raises when imported as anything but __main__: a call to one of its own
     # functions fails with the import's traceback named, a module's function still runs,
     # and the supervising process ends with nothing left behind.
-    script = Path(REPO_ROOT) / "tests" / "children" / "main_fails_in_server.py"
-    start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, str(script)],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
-        capture_output=True,
-        text=True,
-        timeout=50,
-    )
-    assert time.monotonic() - start < 50
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    report = _script_report("main_fails_in_server.py")
     assert report["script_call"].startswith(
         "the fork server could not import the supervisor's main module, which the call "
         "refers to: Traceback"

@@ -49,6 +49,10 @@ def test_live_group_members_lists_running_members_and_skips_zombies() -> None:
         members = _platform.live_group_members({leader.pid, ours})
         assert sorted(members[leader.pid]) == sorted([leader.pid, live])
         assert dead not in members[leader.pid]
+        # A caller that knows the leaders exited has them skipped unread (teardown's scan).
+        assert _platform.live_group_members({leader.pid}, leaders_exited=True) == {
+            leader.pid: [live]
+        }
         # Our own group is asked for too: this test process is a running member of it.
         assert os.getpid() in members[ours]
         assert _platform.live_group_members(set()) == {}

@@ -114,28 +114,6 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
     popen.returncode = 0
 
 
-def start_binaries(
-    base_env: Mapping[str, str], starts: Sequence[BinaryStart]
-) -> list[Launched | BaseException]:
-    """Start binary workers (no shell), each in a new process group that dies with us.
-
-    The watchdog process starts them (see :mod:`aioelastic._core._watchdog`), a batch of
-    them per message: no ``fork()`` of this possibly large process, and the parent-death
-    guarantee without a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our
-    *current* stdout, not the one the watchdog had when it started. Blocking; the event
-    loop's way is :class:`BinaryLauncher`.
-
-    Args:
-        base_env: The environment every worker starts from.
-        starts: The workers (each one's ``env`` is laid over ``base_env``).
-
-    Returns:
-        Per start, in order, the process or the error that kept it from running (the
-        others run: the caller records them before raising).
-    """
-    return [_launched(outcome) for outcome in watchdog.spawn(base_env, starts)]
-
-
 def _launched(outcome: Spawned) -> Launched | BaseException:
     """A watchdog start's outcome as a :class:`Launched` (or the error, as it is)."""
     return outcome if isinstance(outcome, BaseException) else Launched(*outcome)
@@ -155,6 +133,11 @@ class BinaryLauncher:
     switch interval of 5 ms each time, which made a group's first start take 20 ms.)
     Only when the message cannot be sent without waiting (the watchdog not running,
     its socket full) is it sent from a launcher thread.
+
+    The watchdog starts each binary (no shell) in a new process group that dies with us:
+    no ``fork()`` of this possibly large process, and the parent-death guarantee without
+    a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our *current* stdout, not
+    the one the watchdog had when it started.
     """
 
     def __init__(self, base_env: Mapping[str, str]) -> None:
@@ -240,7 +223,7 @@ class BinaryLauncher:
 
         def on_answers() -> None:
             try:
-                for outcome in sent.receive(block=False):
+                for outcome in sent.receive():
                     _, future = next(unanswered)
                     _settle(future, _launched(outcome))
             except Exception as exc:
@@ -279,21 +262,6 @@ def _settle(future: asyncio.Future[Launched], result: Launched | BaseException) 
         future.set_exception(result)
     else:
         future.set_result(result)
-
-
-def start_binary(
-    argv: Sequence[str],
-    env: Mapping[str, str],
-    stdout_fd: int | None,
-    stderr_fd: int,
-    stdin_fd: int | None = None,
-) -> Launched:
-    """Start one binary worker: :func:`start_binaries` of one, its error raised."""
-    start = BinaryStart(argv, {}, 1 if stdout_fd is None else stdout_fd, stderr_fd, stdin_fd)
-    (launched,) = start_binaries(env, [start])
-    if isinstance(launched, BaseException):
-        raise launched
-    return launched
 
 
 def python_command(code: str) -> list[str]:

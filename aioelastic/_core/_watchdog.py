@@ -61,7 +61,7 @@ _INLINE_MAX = 1 << 16
 
 @dataclass(frozen=True)
 class BinaryStart:
-    """One binary worker for :meth:`Watchdog.spawn`: its command line, environment, stdio."""
+    """One binary worker for :meth:`Watchdog.send_batch`: its command line, environment, stdio."""
 
     argv: Sequence[str]
     #: What the worker's environment adds to (or replaces in) the group's base environment.
@@ -72,7 +72,7 @@ class BinaryStart:
     stdin_fd: int | None = None
 
 
-#: What :meth:`Watchdog.spawn` gives per start: the pid and its exit watch, or the error.
+#: What a :class:`StartBatch` gives per start: the pid and its exit watch, or the error.
 Spawned = tuple[int, "SpawnedWatch"] | BaseException
 
 
@@ -125,8 +125,8 @@ class StartBatch:
 
     The watchdog answers each start, in order, as soon as it is made, and closes the
     socket after the last: an end-of-file before that means it died, and the starts not
-    answered did not happen. Read on the event loop (``fileno`` readable, then
-    ``receive(block=False)``) or on a thread (``receive(block=True)``).
+    answered did not happen. Read on the event loop: ``fileno`` readable, then
+    :meth:`receive`.
     """
 
     def __init__(
@@ -155,14 +155,14 @@ class StartBatch:
         """The answer socket (readable when an answer or the end arrived); -1 if none."""
         return -1 if self._answers is None else self._answers.fileno()
 
-    def receive(self, *, block: bool) -> list[Spawned]:
-        """The outcomes that arrived: all there are now, or (``block``) the next one."""
+    def receive(self) -> list[Spawned]:
+        """The outcomes that arrived: all there are now, without waiting."""
         outcomes: list[Spawned] = []
-        while not self.done and not (block and outcomes):
+        while not self.done:
             reply = b""
             if self._answers is not None:
                 try:
-                    reply = self._answers.recv(_MAX_MSG, 0 if block else socket.MSG_DONTWAIT)
+                    reply = self._answers.recv(_MAX_MSG, socket.MSG_DONTWAIT)
                 except BlockingIOError:
                     break
                 except OSError:
@@ -240,33 +240,6 @@ class Watchdog:
             raise RuntimeError(f"the watchdog process exited at start ({popen.returncode})")
         self._popen, self._sock = popen, ours
         return ours
-
-    def spawn(self, base_env: Mapping[str, str], starts: Sequence[BinaryStart]) -> list[Spawned]:
-        """Blocking: have the watchdog start binary workers (see ``_watchdog_process``).
-
-        One message per :data:`MAX_BATCH` starts, not per worker. The stdio fds of each
-        start are sent, not taken over (the caller still closes them). The event loop's
-        way is :meth:`send_batch` and reading the answers as they arrive.
-
-        Args:
-            base_env: The environment every worker starts from (sent once per message).
-            starts: The workers; each one's ``env`` is laid over ``base_env``.
-
-        Returns:
-            Per start, in order: ``(pid, watch)``, or the error that kept it from running:
-            an :class:`OSError` with the errno of ``posix_spawn`` (the binary could not be
-            executed), a :class:`RuntimeError` (the watchdog died while starting it).
-        """
-        base = decode_env(base_env)
-        spawned: list[Spawned] = []
-        for first in range(0, len(starts), MAX_BATCH):
-            batch = self.send_batch(base, starts[first : first + MAX_BATCH], block=True)
-            try:
-                while not batch.done:
-                    spawned += batch.receive(block=True)
-            finally:
-                batch.close()
-        return spawned
 
     def send_batch(
         self, base_env: dict[str, str], batch: Sequence[BinaryStart], *, block: bool

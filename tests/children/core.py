@@ -224,6 +224,24 @@ def nested_supervisor(method: str) -> dict[int, int]:
     return anyio.run(run)
 
 
+#: The preload of the scripts that start workers on a warm fork server of their own.
+SERVER_PRELOAD = ("tests.children.core",)
+
+
+async def one_on_server(name: str, fn: Any, *args: Any) -> Any:
+    """``run_processes`` of one worker ``fn(*args)`` on the fork server of SERVER_PRELOAD."""
+    import aioelastic
+
+    return await aioelastic.run_processes(
+        name,
+        fn,
+        {0: args},
+        {0: {}},
+        start_method="forkserver",
+        forkserver_preload=SERVER_PRELOAD,
+    )
+
+
 if __name__ == "__main__":
     main()
 

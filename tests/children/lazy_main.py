@@ -13,7 +13,6 @@ import sys
 
 import anyio
 
-import aioelastic
 from tests.children import core
 
 with open(sys.argv[1], "a") as _marks:
@@ -25,30 +24,15 @@ def double(value: int) -> int:
 
 
 async def _run() -> dict[str, object]:
-    preload = ("tests.children.core",)
     marks = sys.argv[1]
 
     def imported() -> list[str]:
         with open(marks) as f:
             return f.read().split()
 
-    first = await aioelastic.run_processes(
-        "module",
-        core.add,
-        {0: (1, 2)},
-        {0: {}},
-        start_method="forkserver",
-        forkserver_preload=preload,
-    )
+    first = await core.one_on_server("module", core.add, 1, 2)
     after_module_call = imported()
-    second = await aioelastic.run_processes(
-        "script",
-        double,
-        {0: (21,)},
-        {0: {}},
-        start_method="forkserver",
-        forkserver_preload=preload,
-    )
+    second = await core.one_on_server("script", double, 21)
     return {
         "module_call": first.return_values,
         "after_module_call": after_module_call,

@@ -12,7 +12,6 @@ import json
 
 import anyio
 
-import aioelastic
 from aioelastic._core._forkserver import ForkServerError
 from tests.children import core
 
@@ -25,28 +24,13 @@ def double(value: int) -> int:
 
 
 async def _run() -> dict[str, object]:
-    preload = ("tests.children.core",)
     report: dict[str, object] = {}
     try:
-        await aioelastic.run_processes(
-            "script",
-            double,
-            {0: (21,)},
-            {0: {}},
-            start_method="forkserver",
-            forkserver_preload=preload,
-        )
+        await core.one_on_server("script", double, 21)
         report["script_call"] = "started"
     except ForkServerError as exc:
         report["script_call"] = str(exc)
-    module = await aioelastic.run_processes(
-        "module",
-        core.add,
-        {0: (1, 2)},
-        {0: {}},
-        start_method="forkserver",
-        forkserver_preload=preload,
-    )
+    module = await core.one_on_server("module", core.add, 1, 2)
     report["module_call"] = module.return_values
     return report
 
