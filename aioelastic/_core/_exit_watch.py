@@ -237,12 +237,12 @@ class StatusPipeWatch(_LoopWatch):
         if returncode is None:
             # The reporting process died first: its workers die with it (parent-death
             # signal), so report what the kernel did to them.
-            returncode = -signal.SIGKILL
-        return self._exited(returncode)
-
-    def _exited(self, returncode: int) -> ExitOutcome | None:
-        """The outcome of a reported exit (``None``: it is delivered later)."""
+            return self._reporter_died()
         return returncode
+
+    def _reporter_died(self) -> ExitOutcome | None:
+        """The outcome when the reporting process died first (``None``: delivered later)."""
+        return -signal.SIGKILL
 
     def reap(self) -> None:
         """See :meth:`ExitWatch.reap`."""

@@ -110,6 +110,11 @@ class HangGuard:
         self.stalls = 0
 
     @property
+    def watching(self) -> bool:
+        """Whether :meth:`run` has anything to do (a file timer or a stall timeout)."""
+        return self.config.file_timer or self.config.stall_timeout is not None
+
+    @property
     def timer(self) -> TimerServer | None:
         """The timer server, when the file timer is enabled."""
         return self._timer

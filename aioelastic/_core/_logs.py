@@ -29,7 +29,6 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 
 from ._console import ConsoleStream
 from ._frames import Framer, Live
@@ -86,7 +85,7 @@ class StreamPump:
         self,
         fd: int,
         *,
-        log_path: Path | None,
+        log_path: str | os.PathLike[str] | None,
         console: ConsoleStream | None,
         prefix: bytes,
         keep_tail: bool,
@@ -316,7 +315,7 @@ class StreamPump:
             self._console.put(data)
 
 
-def create_log(path: Path) -> int:
+def create_log(path: str | os.PathLike[str]) -> int:
     """Create a stream's log file for appending; refuses to overwrite one (``O_EXCL``).
 
     Blocking: creating a file can take a millisecond on a slow or busy filesystem, so a

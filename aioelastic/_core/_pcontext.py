@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import errno
 import functools
@@ -165,6 +166,11 @@ class PContext:
         #: How many workers settled as succeeded.
         self._succeeded = 0
         self._log_root: Path | None = None
+        #: Each rank's log directory, as text: the per-rank paths are made by hundreds
+        #: per start, and pathlib's objects cost as much as the rest of a rank's set-up.
+        self._rank_dirs: list[str] = []
+        #: The streams of each rank written to log files (see :meth:`_logged`).
+        self._logged_streams = [spec.redirects[r] | spec.tee[r] for r in range(spec.nprocs)]
         self._temporary_log_root = False
 
     @property
@@ -251,7 +257,8 @@ class PContext:
             await self._tg.__aexit__(None, None, None)
             raise exc
         self._started = True
-        self._tg.start_soon(self._run_hangs)
+        if self._hangs.watching:
+            self._tg.start_soon(self._run_hangs)
         if self._owns_output:
             self._output.seal()  # every stream exists now: the last one to end ends output()
         # A worker that failed while its siblings were still starting had its teardown
@@ -315,16 +322,21 @@ class PContext:
         spec = self._spec
         root = log_root.make_temporary(spec.name) if spec.log_dir is None else spec.log_dir
         prepared: dict[int, _Prepared] = {}
-        created: list[Path] = []
+        created: list[str] = []
+        rank_dirs = [os.path.join(root, str(rank)) for rank in range(spec.nprocs)]
         try:
             # Every rank's call and environment first (a call that cannot be pickled
             # fails the start before any file exists), then the files.
             for rank in range(spec.nprocs):
-                prepared[rank] = self._prepare_rank(rank, root)
+                prepared[rank] = self._prepare_rank(rank, rank_dirs[rank])
                 yield
+            root.mkdir(parents=True, exist_ok=True)
             for rank in range(spec.nprocs):
-                (root / str(rank)).mkdir(parents=True, exist_ok=True)
-                self._create_logs(rank, root, prepared[rank], created)
+                try:
+                    os.mkdir(rank_dirs[rank])
+                except FileExistsError:
+                    pass  # an empty one from an earlier run (validation refused output)
+                self._create_logs(rank, rank_dirs[rank], prepared[rank], created)
                 yield
         except BaseException:
             for rank_prep in prepared.values():
@@ -335,9 +347,11 @@ class PContext:
                 # Nothing started: the empty logs made so far would only make the next
                 # start with this log_dir refuse it for holding earlier output.
                 for path in created:
-                    path.unlink(missing_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
             raise
         self._log_root = root
+        self._rank_dirs = rank_dirs
         self._temporary_log_root = spec.log_dir is None
         if self._temporary_log_root and any(
             spec.redirects[r] | spec.tee[r] for r in spec.redirects
@@ -345,19 +359,21 @@ class PContext:
             logger.info("aioelastic: logs of %r are in %s", spec.name, root)
         return prepared
 
-    def _create_logs(self, rank: int, root: Path, prepared: _Prepared, created: list[Path]) -> None:
+    def _create_logs(
+        self, rank: int, rank_dir: str, prepared: _Prepared, created: list[str]
+    ) -> None:
         for stream, name in ((Std.OUT, "stdout.log"), (Std.ERR, "stderr.log")):
             if stream in self._logged(rank):
-                path = root / str(rank) / name
+                path = os.path.join(rank_dir, name)
                 try:
                     prepared.log_fds[stream] = create_log(path)
                 except OSError as exc:
                     _raise_start_error(exc, f"worker {rank} of {self.name!r}")
                 created.append(path)
 
-    def _prepare_rank(self, rank: int, root: Path) -> _Prepared:
+    def _prepare_rank(self, rank: int, rank_dir: str) -> _Prepared:
         spec = self._spec
-        error_file = str(root / str(rank) / "error.json")
+        error_file = os.path.join(rank_dir, "error.json")
         if spec.is_binary:
             # Only what this rank adds to the supervisor's environment: the watchdog lays
             # it over the one copy of ``os.environ`` sent per batch (see BinaryLauncher).
@@ -507,10 +523,9 @@ class PContext:
     def _open_worker(self, rank: int, prepared: _Prepared, terminals: ConsoleTerminals) -> _Opening:
         """The pipes and pumps of a worker about to start (all closed if this fails)."""
         spec = self._spec
-        assert self._log_root is not None
-        rank_dir = self._log_root / str(rank)
-        stdout = self._pump(rank, Std.OUT, rank_dir / "stdout.log")
-        stderr = self._pump(rank, Std.ERR, rank_dir / "stderr.log")
+        rank_dir = self._rank_dirs[rank]
+        stdout = self._pump(rank, Std.OUT, os.path.join(rank_dir, "stdout.log"))
+        stderr = self._pump(rank, Std.ERR, os.path.join(rank_dir, "stderr.log"))
         # Every fd made here is closed on any failure (EMFILE can strike at each step).
         opening = _Opening(prepared)
         try:
@@ -553,7 +568,6 @@ class PContext:
         self, rank: int, opening: _Opening, prepared: _Prepared, launched: _launchers.Launched
     ) -> None:
         """Make the started process a worker of the group, watched and pumped."""
-        assert self._log_root is not None
         assert opening.stdio is not None
         stdio = opening.stdio
         stdout_pump, stderr_pump = opening.pumps
@@ -561,13 +575,13 @@ class PContext:
         try:
             watchdog.watch(launched.pid)
             self._hangs.started(rank, launched.pid)
-            rank_dir = self._log_root / str(rank)
+            rank_dir = self._rank_dirs[rank]
             worker = WorkerProcess(
                 local_rank=rank,
                 launched=launched,
                 error_file=prepared.error_file,
-                stdout_path=str(rank_dir / "stdout.log") if Std.OUT in logged else "",
-                stderr_path=str(rank_dir / "stderr.log") if Std.ERR in logged else "",
+                stdout_path=os.path.join(rank_dir, "stdout.log") if Std.OUT in logged else "",
+                stderr_path=os.path.join(rank_dir, "stderr.log") if Std.ERR in logged else "",
                 stdout=stdout_pump,
                 stderr=stderr_pump,
                 result=ResultReceiver(opening.res_r) if opening.res_r >= 0 else None,
@@ -619,7 +633,7 @@ class PContext:
         assert isinstance(payload, bytes)
         return await fork_server(spec.forkserver_preload).start_worker(out_w, err_w, res_w, payload)
 
-    def _pump(self, rank: int, stream: Std, log_path: Path) -> dict[str, Any]:
+    def _pump(self, rank: int, stream: Std, log_path: str) -> dict[str, Any]:
         spec = self._spec
         shown = spec.local_ranks_filter is None or rank in spec.local_ranks_filter
         teed = stream in spec.tee[rank]
@@ -652,7 +666,7 @@ class PContext:
         A tee'd stream is logged as well as shown, as in torch (and as API.md's "tee
         *also* prints it" says): the console is a view, the file is the record.
         """
-        return self._spec.redirects[rank] | self._spec.tee[rank]
+        return self._logged_streams[rank]
 
     def _prefix(self, rank: int) -> bytes:
         spec = self._spec

@@ -5,8 +5,10 @@ failure path of ``wait()``, leaving the ``async with`` block, cancellation, and 
 signal handlers of ``launch``, the agent and the CLI. It signals process groups, not
 pids, so a worker's children (data-loader processes, shell pipelines) stop with it; and
 it signals the groups of workers that already exited too, because their children may
-still run. Leaders are reaped only at the very end: until then their pid, and so the
-process-group id, cannot be recycled, so no signal can reach an unrelated process.
+still run (only when every worker exited and a look at ``/proc`` finds their groups empty
+is there nothing to signal). Leaders are reaped only at the very end: until then their
+pid, and so the process-group id, cannot be recycled, so no signal can reach an
+unrelated process.
 """
 
 from __future__ import annotations
@@ -57,15 +59,18 @@ async def stop_workers(
     if not pending:
         return
     pgids = {w.pid for w in pending}
-    for count, worker in enumerate(pending, 1):
-        if worker.returncode is None:
-            worker.signalled = True
-        _platform.signal_group(worker.pid, death_sig)
-        if count % _BATCH == 0:
-            await anyio.lowlevel.cancel_shielded_checkpoint()
+    # The usual end of a run: every worker exited by itself. If nothing else is left in
+    # their groups either, there is nobody to signal and no grace period to wait out.
+    emptied = await _all_gone(pending, pgids)
+    if not emptied:
+        for count, worker in enumerate(pending, 1):
+            if worker.returncode is None:
+                worker.signalled = True
+            _platform.signal_group(worker.pid, death_sig)
+            if count % _BATCH == 0:
+                await anyio.lowlevel.cancel_shielded_checkpoint()
 
-    emptied = False
-    if death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set():
+    if not emptied and death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set():
         with anyio.move_on_after(grace_period):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on, escalate, tg.cancel_scope)
@@ -101,6 +106,16 @@ async def stop_workers(
         await sweep_strays()
     except OSError as exc:
         logger.warning("aioelastic: sweeping stray children failed: %s", exc)
+
+
+async def _all_gone(workers: Sequence[WorkerProcess], pgids: set[int]) -> bool:
+    """Whether every worker exited and no other member of their groups runs (no waiting)."""
+    if not all(worker.exited.is_set() for worker in workers):
+        return False
+    try:
+        return not await _live_group_members(pgids)
+    except OSError:
+        return False  # /proc cannot be listed (EMFILE): signal every group, as always
 
 
 async def _cancel_on(event: anyio.Event, scope: anyio.CancelScope) -> None:

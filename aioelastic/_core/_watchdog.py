@@ -102,14 +102,20 @@ class SpawnedWatch(StatusPipeWatch):
         super().__init__(pid, status_fd, release)
         self._pidfd = pidfd
 
-    def _exited(self, returncode: int) -> int | None:
+    def _reporter_died(self) -> int | None:
+        returncode = -signal.SIGKILL
         pidfd = self._pidfd
-        if returncode == -signal.SIGKILL and pidfd is not None and not _readable(pidfd):
+        if pidfd is not None and not _readable(pidfd):
             # Reported killed but still running: the watchdog died, not the worker. While
             # the leader lives, its group id cannot have been reused.
             _platform.signal_group(self.pid, signal.SIGKILL)
             self._read_when_ready(pidfd, lambda: returncode)
             return None
+        if pidfd is None:
+            # The same without a pidfd: whether the worker still runs cannot be told, so
+            # the report is made true. Teardown counts on an exit reported being real: it
+            # signals nobody when every worker exited and their groups look empty.
+            _platform.signal_group(self.pid, signal.SIGKILL)
         return returncode
 
     def reap(self) -> None:
