@@ -336,6 +336,42 @@ async def test_the_next_start_of_a_group_takes_its_workers_from_spares_forked_ah
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
+async def test_a_worker_from_a_spare_has_exactly_the_supervisors_environment_of_now(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The server (and its spares) keep the environment of the server's start; each
+    worker gets the one of its own start: a variable since removed is absent, a changed
+    one has its new value."""
+    preload = ("tests.children.core", "json")  # a server of this test's own
+    monkeypatch.setenv("AIOELASTIC_TEST_GONE", "then")
+    monkeypatch.setenv("AIOELASTIC_TEST_CHANGED", "then")
+    try:
+        first = await _env_values_on_server(preload)
+        assert first == {0: "then", 1: "then"}
+        with anyio.fail_after(30):
+            assert await fork_server(preload).spares_ready() == 2
+        monkeypatch.delenv("AIOELASTIC_TEST_GONE")
+        monkeypatch.setenv("AIOELASTIC_TEST_CHANGED", "now")
+        assert await _env_values_on_server(preload) == {0: None, 1: "now"}
+    finally:
+        _stop(preload)
+
+
+async def _env_values_on_server(preload: tuple[str, ...]) -> dict[int, object]:
+    result = await aioelastic.run_processes(
+        "env",
+        core.env_value,
+        {0: ("AIOELASTIC_TEST_GONE",), 1: ("AIOELASTIC_TEST_CHANGED",)},
+        {0: {}, 1: {}},
+        start_method="forkserver",
+        forkserver_preload=preload,
+    )
+    assert not result.is_failed(), result.failures
+    return result.return_values
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
 async def test_a_spare_killed_while_idle_is_reaped_and_the_start_still_works() -> None:
     preload = ("tests.children.core",)
     try:

@@ -136,8 +136,7 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
     finally:
         del current._inheriting  # type: ignore[attr-defined]
     call: FunctionCall = pickle.load(payload)
-    os.environ.clear()
-    os.environ.update(call.env)
+    adopt_environment(call.env)
     # Line-buffered like a terminal, so tee'd and logged lines appear as they are printed.
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
@@ -176,18 +175,22 @@ def forked_worker(
     call: FunctionCall | None = None,
     payload: bytes | None = None,
     payload_fd: int | None = None,
+    signals_reset: bool = False,
 ) -> NoReturn:
     """Body of a child made by ``fork()``; never returns.
 
     ``call`` is given directly for the fork start method (nothing is pickled, as with
     ``multiprocessing``'s fork); a fork server passes the pickled call as ``payload``
     (received with the start request), or ``payload_fd`` to read a large one from.
+    ``signals_reset``: the child ran :func:`reset_inherited_signal_state` already (a
+    spare does, while it waits for its call).
     """
     code = 1
     try:
         os.setpgid(0, 0)
         _platform.die_with_parent(parent_pid)
-        _reset_inherited_signal_state()
+        if not signals_reset:
+            reset_inherited_signal_state()
         keep = {stderr_fd, result_fd}
         if stdout_fd is not None:
             keep.add(stdout_fd)
@@ -207,8 +210,7 @@ def forked_worker(
             with open(payload_fd, "rb") as f:
                 call = pickle.load(f)
         assert call is not None
-        os.environ.clear()
-        os.environ.update(call.env)
+        adopt_environment(call.env)
         code = run_call(call, result_fd)
     except SystemExit as exc:
         code = _exit_code_of(exc)
@@ -229,11 +231,27 @@ def forked_worker(
             os._exit(code)
 
 
-def _reset_inherited_signal_state() -> None:
+def reset_inherited_signal_state() -> None:
+    """A forked child's signals as a fresh interpreter has them (and no wakeup fd)."""
     # The parent's event loop set a wakeup fd; left in place, a signal to this child
     # would be written into the *parent's* loop and run the parent's handlers.
     signal.set_wakeup_fd(-1)
     _platform.default_signal_state(python=True)
+
+
+def adopt_environment(env: dict[str, str]) -> None:
+    """Make ``os.environ`` exactly ``env``, changing only what differs.
+
+    A worker inherits nearly all of its environment already (the supervisor's, through
+    the fork or the fork server): clearing and refilling it cost a third of a forked
+    worker's way to its function, an ``unsetenv`` and a ``putenv`` per variable.
+    """
+    environ = os.environ
+    for key in [key for key in environ if key not in env]:
+        del environ[key]
+    for key, value in env.items():
+        if environ.get(key) != value:
+            environ[key] = value
 
 
 def _redirect_stdio(stdout_fd: int | None, stderr_fd: int) -> None:

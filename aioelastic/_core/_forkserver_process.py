@@ -56,7 +56,7 @@ from . import _platform
 
 # Imported here, once, not in each worker after its fork: the import cost every worker
 # ~4 ms of CPU and ~750 pages copied from the memory it shares with us.
-from ._bootstrap import forked_worker
+from ._bootstrap import forked_worker, reset_inherited_signal_state
 from ._preload import UnforkablePreloadError, import_preload
 from ._status import encode_status
 
@@ -200,6 +200,8 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
         except OSError:
             pass
     _platform.die_with_parent(server_pid)
+    # Done while idle, not once the call came: a quarter of a worker's way to its function.
+    reset_inherited_signal_state()
     try:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
     except OSError:
@@ -220,6 +222,7 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
         close_fds=[sock.fileno()],
         payload=msg[1:] if msg[:1] == b"C" else None,
         payload_fd=rest[0] if rest else None,
+        signals_reset=True,
     )
 
 
