@@ -14,6 +14,7 @@ import pytest
 
 import aioelastic
 from aioelastic._core import _platform
+from aioelastic._core._runtime import runtime
 from tests.children import core
 from tests.waits import ReadyFifo, is_running
 
@@ -53,6 +54,11 @@ def test_live_group_members_lists_running_members_and_skips_zombies() -> None:
         assert _platform.live_group_members({leader.pid}, leaders_exited=True) == {
             leader.pid: [live]
         }
+        # Pids named as no member (other groups' leaders, in teardown) are not looked at.
+        assert (
+            _platform.live_group_members({leader.pid}, leaders_exited=True, not_members={live})
+            == {}
+        )
         # Our own group is asked for too: this test process is a running member of it.
         assert os.getpid() in members[ours]
         assert _platform.live_group_members(set()) == {}
@@ -95,3 +101,15 @@ async def test_groups_closed_together_each_lose_their_grandchildren(tmp_path: Pa
     finally:
         for fifo in fifos:
             fifo.close()
+
+
+@pytest.mark.asyncio
+async def test_a_group_that_ended_leaves_no_leader_for_the_scans_to_skip(tmp_path: Path) -> None:
+    """Teardown's scans skip the recorded workers of every group; a reaped one must be
+    forgotten at once, or its pid, once reused, would be skipped in someone's group."""
+    before = set(runtime.worker_leaders)
+    result = await aioelastic.run_processes(
+        "mixed", "/bin/sh", {0: ("-c", "exit 0"), 1: ("-c", "exit 3")}, {0: {}, 1: {}}
+    )
+    assert result.is_failed()
+    assert runtime.worker_leaders == before

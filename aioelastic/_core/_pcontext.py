@@ -50,6 +50,7 @@ from ._logs import StreamPump, create_log
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream, StreamOutput
 from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
+from ._runtime import runtime
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
@@ -587,6 +588,7 @@ class PContext:
                 result=ResultReceiver(opening.res_r) if opening.res_r >= 0 else None,
             )
             launched.watch.on_exit(functools.partial(self._exit_seen, worker))
+            runtime.worker_leaders.add(launched.pid)  # until stop_workers reaps it
         except BaseException:
             # The process exists but nothing would ever stop or reap it: do both now.
             with anyio.CancelScope(shield=True):

@@ -15,7 +15,7 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
@@ -160,14 +160,17 @@ def _processes() -> Iterator[tuple[int, str, int, int]]:
             yield pid, *info
 
 
-def live_group_members(pgids: set[int], *, leaders_exited: bool = False) -> dict[int, list[int]]:
+def live_group_members(
+    pgids: set[int], *, leaders_exited: bool = False, not_members: Collection[int] = ()
+) -> dict[int, list[int]]:
     """The running (non-zombie) processes of each process group in ``pgids``.
 
     A group with no live member is absent from the result. Used only during teardown,
     to wait for and kill the children of workers. ``leaders_exited``: the caller knows
     every group's leader (pid = pgid) has exited, so the leaders are skipped unread —
     in a group of hundreds of exited workers, reading their stat files was most of the
-    scan.
+    scan. ``not_members``: pids known to be in none of ``pgids`` (the leaders of other
+    groups), skipped unread as well.
 
     Raises:
         OSError: ``/proc`` cannot be listed (see :func:`_pids`).
@@ -177,7 +180,7 @@ def live_group_members(pgids: set[int], *, leaders_exited: bool = False) -> dict
         return members
     getpgid = os.getpgid
     for pid in _pids():
-        if leaders_exited and pid in pgids:
+        if (leaders_exited and pid in pgids) or pid in not_members:
             continue
         # One getpgid() per process, not a read of its stat file: a tenth of the cost
         # (no file to open, no text to format), and teardown scans every process of the

@@ -75,6 +75,9 @@ class Runtime:
         self.subreaper_enabled = False
         #: Pids of the processes aioelastic started itself and reaps itself.
         self.own_children: set[int] = set()
+        #: Every recorded worker not reaped yet, of every group (each leads its own
+        #: process group, so none is a member of another's): teardown's scan skips them.
+        self.worker_leaders: set[int] = set()
         #: Held while a child is created and registered, and while strays are listed.
         self.own_children_lock = threading.Lock()
         #: Whether a task is copying our stdin into a worker's terminal.

@@ -26,6 +26,7 @@ import anyio.lowlevel
 
 from . import _platform
 from ._lazy_event import wait_all
+from ._runtime import runtime
 from ._subreaper import sweep_strays
 from ._watchdog import watchdog
 from ._worker import WorkerProcess
@@ -93,6 +94,8 @@ async def stop_workers(
     # Nothing below may stop the loop half-way: a worker left unreaped would hold its
     # pid (and group id) forever. Errors are logged, never raised.
     for count, worker in enumerate(pending, 1):
+        # Before the reap: from it on, the pid may name another process.
+        runtime.worker_leaders.discard(worker.pid)
         try:
             worker.launched.watch.reap()
         except OSError as exc:
@@ -222,8 +225,12 @@ def _run_scan(loop: asyncio.AbstractEventLoop, scan: _Scan) -> None:
     if _next_scans.get(loop) is scan:
         del _next_scans[loop]
     try:
-        # Every request joined after its leaders exited (see _groups_empty).
-        scan.members = _platform.live_group_members(scan.pgids, leaders_exited=True)
+        # Every request joined after its leaders exited (see _groups_empty). The other
+        # groups' leaders are skipped too: with 64 groups of 4 ending one after the
+        # other, they were most of the processes each of ~50 scans looked at.
+        scan.members = _platform.live_group_members(
+            scan.pgids, leaders_exited=True, not_members=frozenset(runtime.worker_leaders)
+        )
     except OSError as exc:
         scan.error = exc
     scan.done.set()
