@@ -93,6 +93,8 @@ _FULL: Params = {"start_method": "forkserver", "preload": "full", "monitor_inter
 # A spawn repetition starts N torch-importing workers twice (attempt 0 and 1): ~2N s of
 # wall time on 2 cores, hence few repetitions and N <= 8; the preloaded ones are cheap.
 _CHEAP = {1: 5, 4: 5, 8: 5, 16: 5}
+#: The fair row's sides: a restart's time varies by +-10% from one to the next here.
+_FAIR_REPS = {1: 9, 4: 9, 8: 9, 16: 9}
 _SPAWN_REPS = {1: 3, 4: 3, 8: 2}
 
 _OURS_FULL = "aioelastic/forkserver+preload(torch, worker module) monitor_interval=0.01"
@@ -151,7 +153,7 @@ MEASURE = Measure(
                     "aioelastic",
                     f"{_M}:aio_agent",
                     _FULL,
-                    reps=_CHEAP,
+                    reps=_FAIR_REPS,
                     driver="agent aioelastic/full-preload",
                 ),
                 System(
@@ -159,7 +161,7 @@ MEASURE = Measure(
                     "torch",
                     f"{_M}:torch_agent",
                     _FULL,
-                    reps=_CHEAP,
+                    reps=_FAIR_REPS,
                     driver="agent torch.elastic/full-preload",
                 ),
                 System(
