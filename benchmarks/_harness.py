@@ -25,6 +25,46 @@ from benchmarks._spec import Group, Measure, System
 
 ROOT = Path(__file__).resolve().parent.parent
 
+#: A group's first repetition waits until the machine's CPUs were at most this busy
+#: (a fraction of all of them) over one window: the previous group's processes may still
+#: be ending, and this group's drivers are starting their interpreters. In an earlier
+#: recorded run the first seconds after a long group ran a side 50-100% slower than later.
+QUIET_BUSY = 0.15
+QUIET_WINDOW = 0.25
+#: Give up waiting (and say so) after this long: a machine that is never quiet still runs.
+QUIET_MAX_WAIT = 30.0
+
+
+def _cpu_busy_and_total() -> tuple[int, int] | None:
+    """Busy and total jiffies of all CPUs since boot (``/proc/stat``); None without it."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(value) for value in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_quiet() -> float | None:
+    """Block until the CPUs were mostly idle over one window; the seconds waited.
+
+    ``None`` if the machine never got quiet within ``QUIET_MAX_WAIT`` (or has no
+    ``/proc/stat``): the group then runs anyway.
+    """
+    started = time.monotonic()
+    before = _cpu_busy_and_total()
+    while before is not None and time.monotonic() - started < QUIET_MAX_WAIT:
+        time.sleep(QUIET_WINDOW)
+        after = _cpu_busy_and_total()
+        if after is None:
+            break
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0 and busy / total <= QUIET_BUSY:
+            return time.monotonic() - started
+        before = after
+    return None
+
 
 @dataclass
 class Series:
@@ -270,6 +310,13 @@ class Harness:
         # interpreter start-up runs beside a measured repetition.
         for system in systems.values():
             self._driver(system)
+        waited = wait_until_quiet()
+        if waited is None:
+            self._print(f"-- {measure.name}/{group.name}: the machine was never quiet; running")
+        elif waited > 1.0:
+            self._print(
+                f"-- {measure.name}/{group.name}: waited {waited:.1f} s for a quiet machine"
+            )
         for n in ns:
             active = self.plan.systems_for(group, n)
             warm = group.warmup and (group.quick_warmup or not self.plan.quick) and n == ns[0]
