@@ -74,6 +74,14 @@ def test_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
         call(log_dir=file)
 
 
+def test_log_dir_with_a_file_where_a_rank_directory_goes_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "1").write_text("not a directory")
+    with pytest.raises(ValueError, match="holds a file named '1' where worker 1's log dir"):
+        call(log_dir=tmp_path)
+    assert (tmp_path / "1").read_text() == "not a directory"
+    assert not (tmp_path / "0").exists()
+
+
 def test_log_dir_with_earlier_output_is_refused(tmp_path: Path) -> None:
     (tmp_path / "1").mkdir()
     (tmp_path / "1" / "stderr.log").write_text("earlier run")

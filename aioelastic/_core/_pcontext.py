@@ -336,7 +336,10 @@ class PContext:
                 try:
                     os.mkdir(rank_dirs[rank])
                 except FileExistsError:
-                    pass  # an empty one from an earlier run (validation refused output)
+                    # An empty one from an earlier run (validation refused output) is
+                    # fine; anything else put there since validation is not.
+                    if not os.path.isdir(rank_dirs[rank]):
+                        raise
                 self._create_logs(rank, rank_dirs[rank], prepared[rank], created)
                 yield
         except BaseException:

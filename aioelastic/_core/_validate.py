@@ -187,6 +187,11 @@ def _check_log_dir(log_dir: str | os.PathLike[str] | None, nprocs: int) -> Path 
     taken = []
     ranks = set(_entries(path)) & {str(rank) for rank in range(nprocs)}
     for rank in sorted(ranks, key=int):
+        if not (path / rank).is_dir():
+            raise ValueError(
+                f"log_dir={str(path)!r} holds a file named {rank!r} where worker {rank}'s "
+                "log directory goes; remove it or choose a new log_dir"
+            )
         names = set(_entries(path / rank))
         taken += [str(path / rank / f) for f in LOG_FILES if f in names]
     if taken:
