@@ -62,8 +62,12 @@ def seen() -> dict[str, Any]:
 
 
 def record(out_dir: str, tag: str, data: dict[str, Any]) -> None:
+    """Write ``data`` whole or not at all: a worker stopped mid-write (a sibling failed)
+    must not leave an empty file for the test to read."""
     path = Path(out_dir) / f"{tag}-{_restart()}-{os.environ['RANK']}.json"
-    path.write_text(json.dumps(data))
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(json.dumps(data))
+    os.replace(partial, path)
 
 
 def notify(address: str, payload: dict[str, Any]) -> None:
