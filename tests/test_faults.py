@@ -378,6 +378,16 @@ def test_teardown_completes_with_no_file_descriptor_left(tmp_path: Path) -> None
     assert json_lines(proc.stderr) == [{"close": "closed", "children": [], "members": []}]
 
 
+def test_teardown_of_workers_that_exited_with_no_file_descriptor_left(tmp_path: Path) -> None:
+    # The workers return, leaving grandchildren that ignore SIGTERM in their groups; then
+    # every free fd is taken. Teardown's quick end for a group that ended by itself needs
+    # /proc to show the groups empty: unlisted, they must be signalled and emptied as ever.
+    proc, took = supervise("teardown_without_fds", str(tmp_path), "exited", timeout=90)
+    assert took < 90
+    assert proc.returncode == 0, proc.stderr
+    assert json_lines(proc.stderr) == [{"close": "closed", "children": [], "members": []}]
+
+
 def test_a_process_whose_pidfd_cannot_be_opened_is_killed_and_reaped() -> None:
     # One fork worker: some limit leaves exactly the fds of its pipes and log files free,
     # so the fork succeeds and the pidfd of the new process fails with EMFILE.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import aioelastic
@@ -98,6 +99,19 @@ async def test_unpicklable_entrypoint_for_spawn_is_refused_before_start() -> Non
         async with ctx:
             pass
     assert ctx.pids() == {}
+
+
+@pytest.mark.asyncio
+async def test_a_file_put_where_a_rank_directory_goes_after_validation_fails_the_start(
+    tmp_path: Path,
+) -> None:
+    ctx = call(log_dir=tmp_path)  # validated: the directory is empty
+    (tmp_path / "1").write_text("put here since")
+    with anyio.fail_after(30), pytest.raises(FileExistsError, match=str(tmp_path / "1")):
+        async with ctx:
+            pass
+    assert ctx.pids() == {}
+    assert (tmp_path / "1").read_text() == "put here since"
 
 
 @pytest.mark.asyncio

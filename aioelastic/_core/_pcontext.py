@@ -357,9 +357,7 @@ class PContext:
         self._log_root = root
         self._rank_dirs = rank_dirs
         self._temporary_log_root = spec.log_dir is None
-        if self._temporary_log_root and any(
-            spec.redirects[r] | spec.tee[r] for r in spec.redirects
-        ):
+        if self._temporary_log_root and any(self._logged_streams):
             logger.info("aioelastic: logs of %r are in %s", spec.name, root)
         return prepared
 

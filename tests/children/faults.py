@@ -115,22 +115,26 @@ def _innermost_function(exc: BaseException) -> str:
     return traceback.extract_tb(cause.__traceback__)[-1].name
 
 
-def grandchild_ignoring_term(fifo: str) -> None:
-    """Start a grandchild (in our group) that ignores SIGTERM, say ready, block."""
+def grandchild_ignoring_term(fifo: str, then_exit: bool = False) -> None:
+    """Start a grandchild (in our group) that ignores SIGTERM, say ready, block (or exit)."""
     child = subprocess.Popen(
         ["sleep", "1000"], preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN)
     )
     with open(fifo, "w") as f:
         f.write(f"ready {child.pid}\n")
-    threading.Event().wait()
+    if not then_exit:
+        threading.Event().wait()
 
 
-async def teardown_without_fds(directory: str) -> None:
+async def teardown_without_fds(directory: str, workers: str = "running") -> None:
     """Start workers with grandchildren, then take every free fd away and close().
 
-    Prints how close() ended, then (limit restored) what was left: live or unreaped
-    children and processes of the workers' groups.
+    ``workers``: ``running`` (close() stops them), or ``exited`` (they return once their
+    grandchild runs, and close() comes after wait(): the teardown of a group whose
+    workers all ended by themselves). Prints how close() ended, then (limit restored)
+    what was left: live or unreaped children and processes of the workers' groups.
     """
+    then_exit = workers == "exited"
     fifo = os.path.join(directory, "ready.fifo")
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
@@ -138,7 +142,7 @@ async def teardown_without_fds(directory: str) -> None:
     ctx = aioelastic.start_processes(
         "nofds",
         grandchild_ignoring_term,
-        {0: (fifo,), 1: (fifo,)},
+        {0: (fifo, then_exit), 1: (fifo, then_exit)},
         {0: {}, 1: {}},
         log_dir=os.path.join(directory, "logs"),
         start_method="fork",
@@ -153,6 +157,10 @@ async def teardown_without_fds(directory: str) -> None:
                 await anyio.wait_readable(reader)
                 seen += os.read(reader, 4096)
         pgids = set(ctx.pids().values())
+        if then_exit:
+            with anyio.fail_after(30):
+                result = await ctx.wait()
+            assert result is not None and not result.is_failed(), result
         # Below the lowest free fd number: nothing (pidfd, /proc listing, pipe) can be
         # opened any more, even once the exit path closes some descriptors.
         resource.setrlimit(resource.RLIMIT_NOFILE, (3, hard))
