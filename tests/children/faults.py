@@ -160,7 +160,8 @@ async def teardown_without_fds(directory: str, workers: str = "running") -> None
         if then_exit:
             with anyio.fail_after(30):
                 result = await ctx.wait()
-            assert result is not None and not result.is_failed(), result
+            assert result is not None
+            assert not result.is_failed(), result
         # Below the lowest free fd number: nothing (pidfd, /proc listing, pipe) can be
         # opened any more, even once the exit path closes some descriptors.
         resource.setrlimit(resource.RLIMIT_NOFILE, (3, hard))
