@@ -3,6 +3,7 @@ started from a supervisor with odd signal state. Real processes and real faults.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -20,7 +21,7 @@ import aioelastic
 from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
 from aioelastic._core._forkserver_process import SPARE_NAME
 from tests.audit import spare_pids
-from tests.children import core
+from tests.children import core, preload_gc
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -271,6 +272,38 @@ async def test_calls_reach_the_worker_whole_in_the_request_and_through_a_pipe() 
     )
     assert not result.is_failed(), result.failures
     assert result.return_values == values
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("own_thresholds", [False, True], ids=["default", "preload-sets-its-own"])
+async def test_the_preload_imports_without_automatic_collections_and_workers_have_them(
+    own_thresholds: bool,
+) -> None:
+    # Paused during the import (it made a tenth of a cold start with torch), then frozen
+    # and given back: a worker collects as a fresh interpreter would, unless the preload
+    # chose thresholds of its own, which it keeps.
+    # Not imported here: it would set its thresholds in this process.
+    own = "tests.children.preload_gc_own"
+    preload = (own if own_thresholds else preload_gc.__name__,)
+    try:
+        result = await aioelastic.run_processes(
+            "collector",
+            preload_gc.collector_state,
+            {0: ()},
+            envs(1),
+            start_method="forkserver",
+            forkserver_preload=preload,
+        )
+    finally:
+        _stop(preload)
+    assert not result.is_failed(), result.failures
+    state = result.return_values[0]
+    expected = [5000, 20, 20] if own_thresholds else list(gc.get_threshold())
+    assert state["threshold_at_import"][0] == 0
+    assert state["threshold"] == expected
+    assert state["enabled"] is True
+    assert state["frozen"] > 0
 
 
 @pytest.mark.asyncio

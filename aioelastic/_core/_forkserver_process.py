@@ -137,6 +137,12 @@ def main(control_fd: int, parent_pid: int) -> None:
     # most calls come from modules of their own, and importing a script's __main__ (or
     # the module run with -m) would lengthen every cold start (see _Server._main_ready).
     main_prep = {key: prep_data.pop(key) for key in _MAIN_KEYS if key in prep_data}
+    # Automatic collections are off while the preload imports: torch's import makes a
+    # quarter of a million objects that all live on, and the collections their number
+    # triggered (each walking the growing heap) were a tenth of a cold start. Whatever
+    # garbage the import leaves is frozen with the rest below, as it would be anyway.
+    thresholds = gc.get_threshold()
+    gc.set_threshold(0)
     try:
         multiprocessing.spawn.prepare(prep_data)
         import_preload(preload)
@@ -151,6 +157,8 @@ def main(control_fd: int, parent_pid: int) -> None:
     # memory it shares with us) every object of torch's import. No collection first:
     # over torch's objects it would cost a cold start tens of milliseconds.
     gc.freeze()
+    if gc.get_threshold()[0] == 0:  # unless the preload chose thresholds of its own
+        gc.set_threshold(*thresholds)
     sock.sendmsg([b"K"])
     _Server(sock, reserve, main_prep).serve()
     # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
