@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import ROOT, Harness, Plan, Series
+from benchmarks._plots import plot, plot_scale
 from benchmarks._reaper import become_subreaper, reap_all
 from benchmarks._report import (
     build_rows,
     check_claims,
-    plot,
     render_headlines,
     render_problems,
     render_table,
@@ -89,6 +89,13 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         help="draw startup latency against N (needs matplotlib)",
     )
     parser.add_argument(
+        "--plot-scale",
+        type=Path,
+        metavar="FILE.png",
+        help="draw per-worker cost and memory against N, 64 groups of 4 and the event "
+        "loop's lateness (the binary and scale measures; needs matplotlib)",
+    )
+    parser.add_argument(
         "--keep",
         action="store_true",
         help="keep the run directory (drivers' logs) and print its path",
@@ -97,7 +104,8 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         "--from-json",
         type=Path,
         metavar="FILE",
-        help="print the table (and draw --plot) of an earlier run's --json FILE; runs nothing",
+        help="print the table (and draw --plot/--plot-scale) of an earlier run's --json FILE; "
+        "runs nothing",
     )
     parser.add_argument(
         "--write-readme",
@@ -113,7 +121,8 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
         "--record",
         action="store_true",
         help=f"the full run whose results are kept: same as --json {RESULTS.relative_to(ROOT)} "
-        f"--plot {PLOT.relative_to(ROOT)} --write-readme",
+        f"--plot {PLOT.relative_to(ROOT)} --plot-scale {SCALE_PLOT.relative_to(ROOT)} "
+        "--write-readme",
     )
     parser.add_argument(
         "--dry-run",
@@ -123,9 +132,10 @@ def _parser(measures: list[Measure]) -> argparse.ArgumentParser:
     return parser
 
 
-#: Where ``--record`` keeps the run (committed) and its plot.
+#: Where ``--record`` keeps the run (committed) and its plots.
 RESULTS = ROOT / "benchmarks" / "results" / "latest.json"
 PLOT = ROOT / "benchmarks" / "startup-latency.png"
+SCALE_PLOT = ROOT / "benchmarks" / "scale.png"
 
 
 def _select(measures: list[Measure], only: str | None) -> list[Measure]:
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 "--record is the full run of every measure; drop --quick/--from-json/--only/"
                 "--ns/--reps, or use --json FILE for a partial run"
             )
-        args.json, args.plot, args.write_readme = RESULTS, PLOT, True
+        args.json, args.plot, args.plot_scale, args.write_readme = RESULTS, PLOT, SCALE_PLOT, True
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
     selected = _select(measures, args.only)
     if args.from_json:
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         results = [Series(**entry) for entry in document["series"]]
         ran = {s.measure for s in results}
         shown = [m for m in selected if m.name in ran]
-        rows = _report(document["meta"], shown, results, args.plot)
+        rows = _report(document["meta"], shown, results, args.plot, args.plot_scale)
         if args.write_readme:
             _write_docs(args.readme, args.docs, document["meta"], shown, rows)
         return 3 if args.check and _failed_claims(rows) else 0
@@ -240,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
     meta["duration_s"] = round(time.monotonic() - started, 1)
     meta["loadavg_end"] = os.getloadavg()
-    rows = _report(meta, selected, results, args.plot)
+    rows = _report(meta, selected, results, args.plot, args.plot_scale)
     if args.json:
         _write_json(args.json, meta, results, rows)
     if args.write_readme:
@@ -259,7 +269,8 @@ def _write_docs(
 ) -> None:
     """Regenerate the README's headline table and docs/benchmarks.md's full table."""
     source = f"From {run_line(meta)}; regenerate with `python -m benchmarks --from-json "
-    source += f"{RESULTS.relative_to(ROOT)} --write-readme`."
+    source += f"{RESULTS.relative_to(ROOT)} --write-readme --plot {PLOT.relative_to(ROOT)} "
+    source += f"--plot-scale {SCALE_PLOT.relative_to(ROOT)}`."
     readme.write_text(
         replace_between_markers(
             readme.read_text(),
@@ -285,9 +296,13 @@ def _failed_claims(rows: list[dict[str, Any]]) -> bool:
 
 
 def _report(
-    meta: dict[str, Any], selected: list[Measure], results: list[Series], plot_path: Path | None
+    meta: dict[str, Any],
+    selected: list[Measure],
+    results: list[Series],
+    plot_path: Path | None,
+    scale_plot_path: Path | None,
 ) -> list[dict[str, Any]]:
-    """Print the run's header line and table (and draw the plot); return the table rows."""
+    """Print the run's header line and table (and draw the plots); return the table rows."""
     rows = build_rows(selected, results)
     print(
         f"<!-- {meta['command']} | {meta['date']} | commit {meta['git_commit']} | "
@@ -299,6 +314,8 @@ def _report(
         print("Not measured:\n" + problems)
     if plot_path:
         plot(results, plot_path)
+    if scale_plot_path:
+        plot_scale(results, scale_plot_path)
     return rows
 
 

@@ -1,13 +1,10 @@
-"""Turns the series into the table, the JSON document and the optional plot."""
+"""Turns the series into the table and the rows of the JSON document (figures: ``_plots``)."""
 
 from __future__ import annotations
 
-import importlib
 import math
 import statistics
-import sys
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 from benchmarks._harness import Series
@@ -309,57 +306,3 @@ def render_problems(results: list[Series]) -> str:
             reason = s.reason.strip().splitlines()[-1] if s.reason.strip() else ""
             lines.append(f"- {s.measure}/{s.group} {s.system}: {s.status}: {reason}")
     return "\n".join(lines)
-
-
-def plot(results: list[Series], path: Path) -> bool:
-    """Startup latency against N for every system; False when matplotlib is missing."""
-    try:
-        matplotlib: Any = importlib.import_module("matplotlib")
-        matplotlib.use("Agg")
-        plt: Any = importlib.import_module("matplotlib.pyplot")
-    except ImportError:
-        print(
-            "--plot needs matplotlib (pip install 'aioelastic[plot]'); no plot written",
-            file=sys.stderr,
-        )
-        return False
-    curves: dict[tuple[str, str], list[tuple[int, float]]] = {}
-    for s in results:
-        if s.measure not in ("startup", "floor") or s.status != "ok" or not s.samples:
-            continue
-        if s.system == "floor/true":
-            continue  # a completion floor, not a startup one
-        family, _, variant = s.system.partition("/")
-        median = statistics.median(x["seconds"] for x in s.samples)
-        curves.setdefault((family, variant), []).append((s.n, median * 1000))
-    # Colour says what starts (the start method, or the floor row), line style says who
-    # starts it, so that 12 curves stay readable.
-    variants = sorted({v for _, v in curves})
-    palette = plt.get_cmap("tab10")
-    colour = {v: palette(i % 10) for i, v in enumerate(variants)}
-    style = {"aioelastic": "-", "torch.elastic": "--", "torch.mp": "-.", "floor": ":"}
-    figure, axes = plt.subplots(figsize=(11, 6))
-    for (family, variant), points in sorted(curves.items()):
-        points.sort()
-        axes.plot(
-            [p[0] for p in points],
-            [p[1] for p in points],
-            style.get(family, "-"),
-            color=colour[variant],
-            marker="o",
-            linewidth=2.2 if family == "aioelastic" else 1.4,
-            label=f"{family} / {variant}" + (" (to exit)" if variant == "python -S" else ""),
-        )
-    ns = sorted({p[0] for points in curves.values() for p in points})
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(ns, [str(n) for n in ns])
-    axes.set_yscale("log")
-    axes.set_xlabel("N workers")
-    axes.set_ylabel("call to all workers running user code (ms, median)")
-    axes.set_title("startup latency (lower is better); fn workers import torch")
-    axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return True
