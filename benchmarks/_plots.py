@@ -198,7 +198,8 @@ def plot_scale(results: list[Series], path: Path) -> bool:
     late_axes.set_title(f"event loop's worst lateness while {n} tee'd workers start")
     late_axes.set_ylabel("ms (median of repetitions; bars: min..max)")
     late_axes.set_yscale("log")  # one repetition hit by the machine must not hide the rest
-    late_axes.set_ylim(bottom=1)
+    highest = max((p[3] for points in lateness.values() for p in points), default=0.0)
+    late_axes.set_ylim(bottom=1, top=max(20.0, highest * 1000 * 1.5))  # the target in view
     late_axes.legend(fontsize=7)
     plain = importlib.import_module("matplotlib.ticker").FuncFormatter(lambda v, _: f"{v:g}")
     # 0.5 and 20, not 5x10^-1 and 2x10^1
