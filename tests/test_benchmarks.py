@@ -347,7 +347,7 @@ def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
     assert rss_kb(worker.pid) == 0  # reaped: gone from /proc
 
 
-def _series(measure: str, group: str, system: str, n: int, metric: str, *values: float) -> Series:
+def _measured(measure: str, group: str, system: str, n: int, metric: str, *values: float) -> Series:
     return Series(measure, group, system, "aioelastic", n, samples=[{metric: v} for v in values])
 
 
@@ -356,9 +356,9 @@ def test_the_scale_figure_reads_each_panel_from_its_own_measure_and_metric() -> 
     from benchmarks._plots import _curves
 
     results = [
-        _series("scale", "memory", "ours", 32, "kb_per_worker", 5.0, 3.0, 4.0),
-        _series("scale", "memory", "ours", 8, "kb_per_worker", 2.0),
-        _series("scale", "cost", "ours", 8, "per_worker", 9.0),  # another group
+        _measured("scale", "memory", "ours", 32, "kb_per_worker", 5.0, 3.0, 4.0),
+        _measured("scale", "memory", "ours", 8, "kb_per_worker", 2.0),
+        _measured("scale", "cost", "ours", 8, "per_worker", 9.0),  # another group
         Series("scale", "memory", "broken", "aioelastic", 8, status="error"),
     ]
     assert _curves(results, "scale", "memory", "kb_per_worker") == {
@@ -373,7 +373,7 @@ def test_no_scale_figure_is_drawn_from_a_run_without_the_scale_measures(
     from benchmarks._plots import plot_scale
 
     path = tmp_path / "scale.png"
-    startup_only = [_series("startup", "fn", "aioelastic/fork", 8, "seconds", 0.01)]
+    startup_only = [_measured("startup", "fn", "aioelastic/fork", 8, "seconds", 0.01)]
     assert plot_scale(startup_only, path) is False
     assert not path.exists()
     assert "neither binary (i) nor scale (j)" in capsys.readouterr().err
