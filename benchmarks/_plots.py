@@ -68,14 +68,13 @@ def plot(results: list[Series], path: Path) -> bool:
     variants = sorted({v for _, v in curves})
     palette = plt.get_cmap("tab10")
     colour = {v: palette(i % 10) for i, v in enumerate(variants)}
-    style = {"aioelastic": "-", "torch.elastic": "--", "torch.mp": "-.", "floor": ":"}
     figure, axes = plt.subplots(figsize=(11, 6))
     for (family, variant), points in sorted(curves.items()):
         points.sort()
         axes.plot(
             [p[0] for p in points],
             [p[1] for p in points],
-            style.get(family, "-"),
+            _side(family)[0],
             color=colour[variant],
             marker="o",
             linewidth=2.2 if family == "aioelastic" else 1.4,
@@ -94,6 +93,11 @@ def plot(results: list[Series], path: Path) -> bool:
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return True
+
+
+def _label(system: str) -> str:
+    """``system`` as a legend or axis shows it: every scale system has torch loaded."""
+    return system.replace(" (torch loaded)", "")
 
 
 def _curves(results: list[Series], measure: str, group: str, metric: str) -> dict[str, list[Point]]:
@@ -122,7 +126,7 @@ def _against_n(
             line,
             color=colour,
             marker=marker,
-            label=system.replace(" (torch loaded)", "") + suffix,
+            label=_label(system) + suffix,
         )
 
 
@@ -139,7 +143,7 @@ def _bars(axes: Any, curves: dict[str, list[Point]], scale: float) -> int:
             yerr=[[(median - low) * scale], [(high - median) * scale]],
             capsize=4,
         )
-    labels = [textwrap.fill(system.replace(" (torch loaded)", ""), 30) for system, _ in chosen]
+    labels = [textwrap.fill(_label(system), 30) for system, _ in chosen]
     axes.set_xticks(range(len(chosen)), labels, fontsize=7)
     return n
 

@@ -109,14 +109,23 @@ def test_unknown_measure_is_refused() -> None:
     assert "unknown measure(s) nonsense" in proc.stderr
 
 
-def _series(system: str, values: list[float], timeouts: list[float] | None = None) -> Series:
+def _series(
+    system: str,
+    values: list[float],
+    timeouts: list[float] | None = None,
+    *,
+    measure: str = "m",
+    group: str = "g",
+    n: int = 4,
+    metric: str = "seconds",
+) -> Series:
     return Series(
-        "m",
-        "g",
+        measure,
+        group,
         system,
         "torch",
-        4,
-        samples=[{"seconds": v} for v in values],
+        n,
+        samples=[{metric: v} for v in values],
         timeouts=timeouts or [],
     )
 
@@ -347,18 +356,17 @@ def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
     assert rss_kb(worker.pid) == 0  # reaped: gone from /proc
 
 
-def _measured(measure: str, group: str, system: str, n: int, metric: str, *values: float) -> Series:
-    return Series(measure, group, system, "aioelastic", n, samples=[{metric: v} for v in values])
-
-
 @pytest.mark.timeout(30)
 def test_the_scale_figure_reads_each_panel_from_its_own_measure_and_metric() -> None:
     from benchmarks._plots import _curves
 
     results = [
-        _measured("scale", "memory", "ours", 32, "kb_per_worker", 5.0, 3.0, 4.0),
-        _measured("scale", "memory", "ours", 8, "kb_per_worker", 2.0),
-        _measured("scale", "cost", "ours", 8, "per_worker", 9.0),  # another group
+        _series(
+            "ours", [5.0, 3.0, 4.0], measure="scale", group="memory", n=32, metric="kb_per_worker"
+        ),
+        _series("ours", [2.0], measure="scale", group="memory", n=8, metric="kb_per_worker"),
+        # Another group of the same measure: not in the curve.
+        _series("ours", [9.0], measure="scale", group="cost", n=8, metric="per_worker"),
         Series("scale", "memory", "broken", "aioelastic", 8, status="error"),
     ]
     assert _curves(results, "scale", "memory", "kb_per_worker") == {
@@ -373,7 +381,9 @@ def test_no_scale_figure_is_drawn_from_a_run_without_the_scale_measures(
     from benchmarks._plots import plot_scale
 
     path = tmp_path / "scale.png"
-    startup_only = [_measured("startup", "fn", "aioelastic/fork", 8, "seconds", 0.01)]
+    startup_only = [
+        _series("aioelastic/fork", [0.01], measure="startup", group="fn", n=8, metric="seconds")
+    ]
     assert plot_scale(startup_only, path) is False
     assert not path.exists()
     assert "neither binary (i) nor scale (j)" in capsys.readouterr().err
