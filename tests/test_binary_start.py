@@ -403,3 +403,43 @@ async def test_watchdog_dead_before_answering_a_batch_fails_every_start_of_it(
     for outcome in outcomes:
         assert isinstance(outcome, RuntimeError)
         assert "the watchdog died while starting '/bin/sleep'" in str(outcome)
+
+
+async def test_the_last_starts_of_a_group_go_without_waiting_for_the_batch_in_flight(
+    fresh_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first start goes at once; the next ones wait for its answers so that they
+    # travel together, except the group's last ones, which nothing else will join. A
+    # stopped watchdog answers nothing: the rest of the group must be sent regardless.
+    watchdog.ensure_started()
+    assert watchdog.pid is not None
+    sent: list[int] = []
+    all_sent = anyio.Event()
+    send_batch = watchdog.send_batch
+
+    def counting(base_env: dict[str, str], batch: list[BinaryStart], *, block: bool) -> object:
+        sent.append(len(batch))
+        if sum(sent) == 3:
+            all_sent.set()
+        return send_batch(base_env, batch, block=block)
+
+    monkeypatch.setattr(watchdog, "send_batch", counting)
+    os.kill(watchdog.pid, signal.SIGSTOP)
+    try:
+        async with anyio.create_task_group() as tg:
+
+            async def run() -> None:
+                result = await aioelastic.run_processes(
+                    "three", "/bin/true", {r: () for r in range(3)}, {r: {} for r in range(3)}
+                )
+                assert not result.is_failed()
+
+            tg.start_soon(run)
+            with anyio.move_on_after(5):
+                await all_sent.wait()
+            sent_while_stopped = list(sent)
+            os.kill(watchdog.pid, signal.SIGCONT)
+    finally:
+        os.kill(watchdog.pid, signal.SIGCONT)
+    assert sent_while_stopped == [1, 2]
+    assert sent == [1, 2]

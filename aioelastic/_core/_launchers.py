@@ -161,6 +161,16 @@ class BinaryLauncher:
             self._flush()
         return future
 
+    def send_pending(self) -> None:
+        """Send the starts handed over so far now, without waiting for the batch in flight.
+
+        For the group's last starts: nothing more will join them, and waiting for the
+        batch in flight to be answered would leave the watchdog idle for a round trip
+        (its answers read, then this batch sent and received) between the two.
+        """
+        if self._pending:
+            self._flush()
+
     async def start(self, start: BinaryStart) -> Launched:
         """The process of ``start`` (see :meth:`submit`)."""
         future = self.submit(start)

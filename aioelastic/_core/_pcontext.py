@@ -490,6 +490,7 @@ class PContext:
                 if time.monotonic() >= slice_end:
                     await anyio.lowlevel.checkpoint()
                     slice_end = time.monotonic() + _SLICE
+            self._binaries.send_pending()
         except BaseException as exc:
             # Cancelled between slices: what was handed over may exist, so it is
             # recorded first (it is torn down with the group), then this goes on.
