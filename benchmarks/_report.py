@@ -168,8 +168,14 @@ def run_line(meta: dict[str, Any]) -> str:
     return (
         f"`{meta['command']}` on {meta['date']}, commit `{meta['git_commit']}`, "
         f"{meta['cpus']} CPUs ({machine}), torch {meta['torch']}, Python {meta['python']}, "
-        f"{meta['duration_s']} s"
+        f"{meta['duration_s']} s{_files(meta)}"
     )
+
+
+def _files(meta: dict[str, Any]) -> str:
+    """Where the run's files were (runs recorded before this was kept say nothing)."""
+    files = meta.get("files")
+    return f", files on {files['fs']} ({files['dir']})" if files else ""
 
 
 def render_headlines(measures: list[Measure], rows: list[dict[str, Any]]) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import _cli
 from benchmarks._harness import Series
 from benchmarks._report import build_rows, check_claims, render_table, summarise
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
@@ -43,8 +44,22 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(90)
 def test_quick_floor_prints_table_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    proc = _run("--quick", "--only", "floor", "--ns", "1,2", "--json", str(out), timeout=80)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    proc = _run(
+        "--quick",
+        "--only",
+        "floor",
+        "--ns",
+        "1,2",
+        "--json",
+        str(out),
+        "--run-dir",
+        str(runs),
+        timeout=80,
+    )
     assert proc.returncode == 0, proc.stderr
+    assert list(runs.iterdir()) == []  # the run directory was made there, and removed
     assert "### floor: physical floor" in proc.stdout
     assert "| fork+exec /bin/true, to exit | 2 | ms |" in proc.stdout
 
@@ -52,6 +67,8 @@ def test_quick_floor_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert document["meta"]["quick"] is True
     assert document["meta"]["command"].startswith("python -m benchmarks --quick")
     assert document["meta"]["leaked_pids"] == []
+    assert document["meta"]["files"] == {"dir": str(runs), "fs": _cli._filesystem(runs)}
+    assert _cli._filesystem(runs) not in ("", "unknown")
     rows = document["rows"]
     assert {(r["case"], r["n"]) for r in rows} == {
         (case, n)
@@ -101,6 +118,15 @@ def test_quick_completion_runs_both_sides_interleaved(tmp_path: Path) -> None:
         assert row["ours"]["status"] in ("ok", "n/a")
         if row["ours"]["status"] == "ok":
             assert row["ratio"] == pytest.approx(row["theirs"]["median"] / row["ours"]["median"])
+
+
+def test_a_run_directory_that_cannot_be_made_is_refused_before_anything_runs(
+    tmp_path: Path,
+) -> None:
+    proc = _run("--only", "floor", "--run-dir", str(tmp_path / "missing"), timeout=30)
+    assert proc.returncode != 0
+    assert f"--run-dir {tmp_path / 'missing'}: not a writable directory" in proc.stderr
+    assert "### floor" not in proc.stdout
 
 
 def test_unknown_measure_is_refused() -> None:
