@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -43,6 +45,33 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "torch" in item.keywords:
             item.add_marker(skip)
+
+
+#: The session's own temporary directory (see :func:`pytest_configure`).
+_SESSION_TMP: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the session a temporary directory of its own, removed after a passing run.
+
+    Runs without a ``log_dir`` that are meant to fail keep their temporary log roots (a
+    root holding files is the user's and never deleted), and torch's launcher leaves its
+    ``torchelastic_*`` directories behind: without this, every run of the suite left
+    about a thousand directories in the machine's ``/tmp``. Children inherit ``TMPDIR``.
+    """
+    path = tempfile.mkdtemp(prefix="aioelastic-tests-")
+    _SESSION_TMP.append(path)
+    os.environ["TMPDIR"] = path
+    tempfile.tempdir = path
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Remove the session's temporary directory, unless a test failed (then say where)."""
+    for path in _SESSION_TMP:
+        if exitstatus == 0:
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            print(f"\ntemporary files of this test run kept in {path}", file=sys.stderr)
 
 
 MARK_VAR = "AIOELASTIC_TEST_MARK"
