@@ -443,3 +443,77 @@ async def test_the_last_starts_of_a_group_go_without_waiting_for_the_batch_in_fl
         os.kill(watchdog.pid, signal.SIGCONT)
     assert sent_while_stopped == [1, 2]
     assert sent == [1, 2]
+
+
+async def test_a_running_binary_worker_holds_three_fds_of_the_supervisor(
+    tmp_path: Path, fresh_watchdog: None
+) -> None:
+    # Its stdout and stderr pipes and a pidfd. Its exit comes on the start batch's
+    # socket, one per batch, not on a pipe of its own: fewer fds per worker is more
+    # workers under the same RLIMIT_NOFILE.
+    watchdog.ensure_started()
+    n = 16
+    fifo = ReadyFifo(tmp_path)
+    before = len(os.listdir("/proc/self/fd"))
+    try:
+        async with aioelastic.start_processes(
+            "sleepers",
+            "/bin/sh",
+            {r: ("-c", f"echo ready > {fifo.path}; exec sleep 600") for r in range(n)},
+            {r: {} for r in range(n)},
+            grace_period=5,
+        ) as ctx:
+            await fifo.lines(n)
+            during = len(os.listdir("/proc/self/fd"))
+            await ctx.close()
+    finally:
+        fifo.close()
+    # The batches' sockets (the first start goes alone, the rest together) on top.
+    assert during - before <= 3 * n + 2, during - before
+
+
+@pytest.mark.timeout(90)
+async def test_a_stopped_watchdog_that_never_reports_an_exit_does_not_hold_up_teardown(
+    tmp_path: Path, fresh_watchdog: None
+) -> None:
+    from aioelastic._core._teardown import CHILDREN_KILL_TIMEOUT
+
+    # The watchdog started the worker and answered, then is stopped: the worker is
+    # killed at close, but the exit report never comes. Teardown gives up on it after
+    # its bound, says so, and leaves no fd (the batch's socket is closed once the last
+    # worker it waits for is reaped); continued, the watchdog serves on.
+    fifo = ReadyFifo(tmp_path)
+    watchdog_pid = None
+    try:
+        ctx = aioelastic.start_processes(
+            "unreported",
+            "/bin/sh",
+            {0: ("-c", f"echo ready > {fifo.path}; exec sleep 600")},
+            {0: {}},
+            grace_period=0.5,
+        )
+        async with ctx:
+            await fifo.lines(1)
+            watchdog_pid = watchdog.pid
+            assert watchdog_pid is not None
+            os.kill(watchdog_pid, signal.SIGSTOP)
+            start = time.monotonic()
+            with anyio.fail_after(60):
+                await ctx.close()
+            took = time.monotonic() - start
+            result = await ctx.wait()
+        assert took < 0.5 + CHILDREN_KILL_TIMEOUT + 15
+        assert result is not None
+        failure = result.failures[0]
+        assert failure.exitcode == 1
+        assert failure.message == (
+            "worker 0 was not seen exiting 5 s after SIGKILL (uninterruptible sleep, or a "
+            "stopped fork server or watchdog?); its exit status is unknown"
+        )
+    finally:
+        fifo.close()
+        if watchdog_pid is not None:
+            os.kill(watchdog_pid, signal.SIGCONT)
+    again = await aioelastic.run_processes("after", "/bin/true", {0: ()}, {0: {}})
+    assert not again.is_failed()
+    assert watchdog.pid == watchdog_pid

@@ -533,7 +533,7 @@ async def test_teardown_is_bounded_when_an_exit_is_never_reported(tmp_path: Path
         assert failure.exitcode == 1
         assert failure.message == (
             "worker 0 was not seen exiting 5 s after SIGKILL (uninterruptible sleep, or a "
-            "stopped fork server?); its exit status is unknown"
+            "stopped fork server or watchdog?); its exit status is unknown"
         )
     finally:
         fifo.close()

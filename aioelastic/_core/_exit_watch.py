@@ -17,6 +17,8 @@ to watch, chosen by :func:`watch_child`:
   grandchild that inherited the pipe keeps it open after the worker's own exit.)
 * :class:`StatusPipeWatch` — for workers forked by our fork server (not our children):
   the server watches them and writes the exit status into a pipe only we and it hold.
+  (Binary workers, the watchdog's children, are reported on their start batch's socket:
+  :class:`~aioelastic._core._watchdog.SpawnedWatch`.)
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class ExitWatch(Protocol):
         ...
 
 
-class _LoopWatch:
+class LoopWatch:
     """One callback, called once from the event loop; the reader it waits with, if any."""
 
     def __init__(self, pid: int) -> None:
@@ -79,14 +81,17 @@ class _LoopWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._callback: OnExit | None = None
         self._delivered = False
+        self._watching = False
         #: The fd whose reader callback is registered now, if one is.
         self._reading: int | None = None
 
     def on_exit(self, callback: OnExit) -> None:
         """See :meth:`ExitWatch.on_exit`."""
-        if self._loop is not None:
+        if self._watching:
             raise RuntimeError(f"the exit of pid {self.pid} is watched already")
-        self._loop = asyncio.get_running_loop()
+        self._watching = True
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
         self._callback = callback
         self._begin()
 
@@ -145,7 +150,7 @@ class _LoopWatch:
         callback(outcome)
 
 
-class PidfdWatch(_LoopWatch):
+class PidfdWatch(LoopWatch):
     """Exit of one of our children through a pidfd."""
 
     def __init__(self, pid: int, pidfd: int) -> None:
@@ -178,7 +183,7 @@ class PidfdWatch(_LoopWatch):
         runtime.own_children.discard(self.pid)
 
 
-class ThreadWatch(_LoopWatch):
+class ThreadWatch(LoopWatch):
     """Exit of one of our children through a thread blocked in ``waitid``."""
 
     def __init__(self, pid: int) -> None:
@@ -219,7 +224,7 @@ class ThreadWatch(_LoopWatch):
         runtime.own_children.discard(self.pid)
 
 
-class StatusPipeWatch(_LoopWatch):
+class StatusPipeWatch(LoopWatch):
     """Exit of a worker another process of ours started, reported through a status pipe."""
 
     def __init__(self, pid: int, status_fd: int, release: Callable[[int], None]) -> None:

@@ -229,31 +229,15 @@ class BinaryLauncher:
         batch: list[tuple[BinaryStart, asyncio.Future[Launched]]],
     ) -> None:
         unanswered = iter(batch)
-        fd = sent.fileno()
 
-        def on_answers() -> None:
-            try:
-                for outcome in sent.receive():
-                    _, future = next(unanswered)
-                    _settle(future, _launched(outcome))
-            except Exception as exc:
-                # A waiting set-up task must never wait forever; the rest is not started.
-                sent.close()
-                error: BaseException | None = exc
-            else:
-                if not sent.done:
-                    return
-                error = None
-            if fd >= 0:
-                # Unregistered while the number still names this socket (see StreamPump).
-                loop.remove_reader(fd)
-            sent.close()
-            self._answered(list(unanswered), error)
+        def on_answers(outcomes: list[Spawned], last: bool) -> None:
+            for outcome in outcomes:
+                _, future = next(unanswered)
+                _settle(future, _launched(outcome))
+            if last:
+                self._answered(list(unanswered), None)
 
-        if fd < 0:
-            on_answers()  # not sent: every start fails at once
-        else:
-            loop.add_reader(fd, on_answers)
+        sent.listen(loop, on_answers)
 
     def _answered(
         self,

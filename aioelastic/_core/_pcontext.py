@@ -724,8 +724,8 @@ class PContext:
             worker.returncode = UNKNOWN_EXIT_CODE
             worker.faults.append(
                 f"was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
-                "(uninterruptible sleep, or a stopped fork server?); its exit "
-                "status is unknown"
+                "(uninterruptible sleep, or a stopped fork server or watchdog?); "
+                "its exit status is unknown"
             )
         elif isinstance(outcome, Exception):
             worker.returncode = UNKNOWN_EXIT_CODE

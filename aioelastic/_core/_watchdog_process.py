@@ -11,8 +11,8 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 
 * ``+<pgid>`` / ``-<pgid>``: kill / stop killing that process group if the supervisor dies.
 * ``B`` + a marshalled ``(base_env, [(argv, env_overrides, has_stdin), ...])`` + fds:
-  the cwd (``O_PATH``) and the batch's answer socket once, then 3 per entry [stdout,
-  stderr, status_w] and stdin as a 4th when ``has_stdin`` (else /dev/null) (``M`` + the
+  the cwd (``O_PATH``) and the batch's answer socket once, then 2 per entry [stdout,
+  stderr] and stdin as a 3rd when ``has_stdin`` (else /dev/null) (``M`` + the
   same with the body in a memfd, the last fd, when it is too large for one message):
   start binary workers with
   ``posix_spawn`` (a vfork: its cost does not grow with the size of any process), each in
@@ -20,14 +20,16 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
   environment ``{**base_env, **env_overrides}`` (a group's workers share all but a few
   variables: the common part travels once per message). Each entry is answered on the
   batch's answer socket, as soon as it is done, by a marshalled ``("P", pid)`` or
-  ``("E", errno, message)``, in order; the socket is closed after the last answer (an
-  end-of-file before that: the watchdog died). An answer socket per batch, not this
-  socket: the supervisor's event loop reads it without a thread, and batches of
-  different loops never share a stream. Each group
-  is watched before the parent-death signal can be handled, so a supervisor SIGKILLed at
-  any point of the start leaves no orphan. The exit status is written to ``status_w``
-  when the worker exits; the worker stays unreaped (its pid, hence its group id, cannot
-  be reused) until
+  ``("E", errno, message)``, in order. Each group is watched before the parent-death
+  signal can be handled, so a supervisor SIGKILLed at any point of the start leaves no
+  orphan. When a worker exits, ``("X", pid, returncode)`` follows on the same socket
+  (after its ``P``, among the other answers); the socket is closed once every entry
+  was answered and every worker started reported or released (an end-of-file before
+  that: the watchdog died). An answer socket per batch, not this socket: the
+  supervisor's event loop reads it without a thread, and batches of different loops
+  never share a stream; one socket for a batch's exits, not a pipe per worker, saves
+  the supervisor a pipe, a reader and a wake-up per worker. The worker stays unreaped
+  (its pid, hence its group id, cannot be reused) until
 * ``R<pid> <pid>...``: reap those workers and stop watching their groups.
 * end-of-file: the supervisor is gone; kill every watched group and exit.
 
@@ -58,10 +60,9 @@ if TYPE_CHECKING:
 _signal: Any = __import__("_signal")
 
 _MAX_MSG = 1 << 20
-#: Starts per message: 3 or 4 fds each and 3 more (cwd, answer socket, memfd), under the
-#: kernel's 253 fds per SCM_RIGHTS message.
+#: Starts per message: up to 3 fds each and 3 more (cwd, answer socket, memfd), well
+#: under the kernel's 253 fds per SCM_RIGHTS message.
 MAX_BATCH = 62
-_STATUS = struct.Struct("=i")
 _DEATH_SIGNAL = _signal.SIGUSR1
 #: Every signal a worker gets back at its default disposition (the watchdog ignores
 #: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
@@ -90,11 +91,29 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _answer(fd: int, answer: tuple[str, int] | tuple[str, int, str]) -> None:
+def _answer(fd: int, answer: tuple[str, int] | tuple[str, int, str] | tuple[str, int, int]) -> None:
+    # One datagram per answer. It cannot block for long: a batch's socket carries at
+    # most two small messages per start (its answer and its exit), far below the
+    # socket's send buffer.
     try:
         os.write(fd, marshal.dumps(answer))
     except OSError:
         pass  # the supervisor is gone: the rest of the batch is started, then killed
+
+
+class _Batch:
+    """A batch's answer socket, open until every start is answered and reported."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        #: Workers started by this batch whose exit was neither reported nor released.
+        self.running: set[int] = set()
+        self.spawning = True
+
+    def close_if_done(self) -> None:
+        if not self.spawning and not self.running and self.fd >= 0:
+            os.close(self.fd)  # the end-of-file: nothing more will come on this socket
+            self.fd = -1
 
 
 def _returncode(info: os.waitid_result) -> int:
@@ -120,9 +139,10 @@ class _Server:
         self._epoll = select.epoll()
         #: What each registered fd stands for: None for the socket, else a worker's pid.
         self._watched: dict[int, int | None] = {}
-        self._status: dict[int, int] = {}  # pid -> status fd, until the exit is written
+        #: Each started worker's batch, until its exit is reported or it is released.
+        self._batch_of: dict[int, _Batch] = {}
         self._pidfds: dict[int, int] = {}
-        self._lock = _thread.allocate_lock()  # status writes from fallback waiter threads
+        self._lock = _thread.allocate_lock()  # exit reports from fallback waiter threads
         self._use_pidfd = os.environ.get("AIOELASTIC_NO_PIDFD") != "1" and hasattr(os, "pidfd_open")
         self._devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 
@@ -151,7 +171,7 @@ class _Server:
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
                 _MAX_MSG,
-                _socket.CMSG_LEN((4 * MAX_BATCH + 3) * _FD.size),
+                _socket.CMSG_LEN((3 * MAX_BATCH + 3) * _FD.size),
                 _socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
@@ -187,6 +207,7 @@ class _Server:
         # a signal delivered to any thread runs its Python handler in the main thread at
         # once, also inside a later spawn's window, so no other thread may take it.
         _signal.pthread_sigmask(_signal.SIG_BLOCK, {_DEATH_SIGNAL})
+        batch = _Batch(answer_fd)
         try:
             try:
                 os.fchdir(cwd_fd)
@@ -194,25 +215,27 @@ class _Server:
                 os.close(cwd_fd)
             taken = 0
             for argv, overrides, has_stdin in requests:
-                stdout_fd, stderr_fd, status_w = fds[taken : taken + 3]
-                stdin_fd = fds[taken + 3] if has_stdin else None
-                taken += 4 if has_stdin else 3
+                stdout_fd, stderr_fd = fds[taken : taken + 2]
+                stdin_fd = fds[taken + 2] if has_stdin else None
+                taken += 3 if has_stdin else 2
                 env = {**base_env, **overrides} if overrides else base_env
                 try:
                     pid = self._spawn(argv, env, stdout_fd, stderr_fd, stdin_fd)
                 except OSError as exc:
-                    os.close(status_w)
                     _answer(answer_fd, ("E", exc.errno or errno.EIO, str(exc)))
                     continue
                 finally:
                     for fd in (stdout_fd, stderr_fd, stdin_fd):
                         if fd is not None:
                             os.close(fd)
-                self._watch_exit(pid, status_w)
-                # Answered at once: the supervisor sets this worker up while we spawn on.
+                # Answered before its exit can be reported (a waiter thread may report it
+                # at once): the supervisor reads an exit only for a pid it was given.
                 _answer(answer_fd, ("P", pid))
+                self._watch_exit(pid, batch)
         finally:
-            os.close(answer_fd)  # the end-of-file tells the supervisor the batch is done
+            with self._lock:
+                batch.spawning = False
+                batch.close_if_done()
             _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {_DEATH_SIGNAL})
 
     def _spawn(
@@ -239,8 +262,10 @@ class _Server:
         groups.add(pid)
         return pid
 
-    def _watch_exit(self, pid: int, status_w: int) -> None:
-        self._status[pid] = status_w
+    def _watch_exit(self, pid: int, batch: _Batch) -> None:
+        with self._lock:
+            batch.running.add(pid)
+            self._batch_of[pid] = batch
         pidfd = os.pidfd_open(pid) if self._use_pidfd else None
         if pidfd is not None:
             self._pidfds[pid] = pidfd
@@ -251,25 +276,23 @@ class _Server:
     def _wait_in_thread(self, pid: int) -> None:
         info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         assert info is not None
-        self._write_status(pid, _returncode(info))
+        self._report(pid, _returncode(info))
 
     def _report_exit(self, pid: int) -> None:
         pidfd = self._pidfds[pid]
         self._unregister(pidfd)
         info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOWAIT)
         assert info is not None
-        self._write_status(pid, _returncode(info))
+        self._report(pid, _returncode(info))
 
-    def _write_status(self, pid: int, returncode: int) -> None:
+    def _report(self, pid: int, returncode: int) -> None:
         with self._lock:
-            fd = self._status.pop(pid, None)
-            if fd is None:
-                return
-            try:
-                os.write(fd, _STATUS.pack(returncode))
-            except BrokenPipeError:
-                pass
-            os.close(fd)
+            batch = self._batch_of.pop(pid, None)
+            if batch is None:
+                return  # released first: nobody waits for this report any more
+            _answer(batch.fd, ("X", pid, returncode))
+            batch.running.discard(pid)
+            batch.close_if_done()
 
     def _reap(self, pid: int) -> None:
         # Released only after the supervisor saw the exit and swept the group: the
@@ -283,9 +306,10 @@ class _Server:
         except ChildProcessError:
             pass
         with self._lock:
-            fd = self._status.pop(pid, None)
-            if fd is not None:
-                os.close(fd)
+            batch = self._batch_of.pop(pid, None)
+            if batch is not None:
+                batch.running.discard(pid)
+                batch.close_if_done()
         pidfd = self._pidfds.pop(pid, None)
         if pidfd is not None:
             self._unregister(pidfd)
