@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import uuid
@@ -59,6 +60,13 @@ def pytest_configure(config: pytest.Config) -> None:
     ``torchelastic_*`` directories behind: without this, every run of the suite left
     about a thousand directories in the machine's ``/tmp``. Children inherit ``TMPDIR``.
     """
+    # Started as a background job of a non-interactive shell (`cmd &` in a script), the
+    # suite inherits SIGINT and SIGQUIT ignored, and so would every process it starts:
+    # the tests of what Ctrl-C does would test that instead.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     path = tempfile.mkdtemp(prefix="aioelastic-tests-")
     _SESSION_TMP.append(path)
     os.environ["TMPDIR"] = path
