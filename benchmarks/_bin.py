@@ -9,7 +9,9 @@ Python worker gets, so what differs between systems is the supervisor. Commands:
   ARMED FIFO (the supervisor's caller learns that the job is fully up), wait DELAY seconds
   (so that the failure falls at a random phase of any polling period), write the clock to
   PATH, exit 1.
-- ``sleep FIFO IGNORE_TERM``: ignore SIGTERM if IGNORE_TERM is 1, signal ready, sleep.
+- ``sleep FIFO IGNORE_TERM [TERM_PATH]``: ignore SIGTERM if IGNORE_TERM is 1 (else, with
+  TERM_PATH, write the clock there when SIGTERM arrives, then die of it), signal ready,
+  sleep.
 - ``idle FIFO``: print ``ready``, signal ready, sleep.
 - ``spam DIR RANK LINES WIDTH``: write LINES numbered lines to stdout as fast as possible,
   stamping ``DIR/spam_start{RANK}`` before and ``DIR/spam_end{RANK}`` after.
@@ -51,6 +53,12 @@ elif cmd == "fail":
 elif cmd == "sleep":
     if sys.argv[3] == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif len(sys.argv) > 4:
+        def term(signum, frame, path=sys.argv[4]):
+            stamp(path)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        signal.signal(signal.SIGTERM, term)
     ready(sys.argv[2])
     time.sleep({WORKER_TTL_S})
 elif cmd == "idle":

@@ -31,7 +31,8 @@ def fail_or_sleep(rank: int, directory: str, n: int, ignore_term: bool, delay: f
     run, rank 0 signals ``{directory}/armed`` (the caller's cue that the job is fully up)
     and stamps ``{directory}/fail0`` right before ``os._exit(1)``: the start of the
     failure-detection and teardown clocks. Siblings that ``ignore_term`` make the
-    supervisor wait out its grace period and then SIGKILL them.
+    supervisor wait out its grace period and then SIGKILL them; the others stamp
+    ``{directory}/term{rank}`` when SIGTERM reaches them (see :func:`stamp_on_term`).
     """
     fifo = os.path.join(directory, "ready")
     if rank == 0:
@@ -42,8 +43,25 @@ def fail_or_sleep(rank: int, directory: str, n: int, ignore_term: bool, delay: f
         os._exit(1)
     if ignore_term:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        stamp_on_term(os.path.join(directory, f"term{rank}"))
     signal_ready(fifo)
     time.sleep(WORKER_TTL_S)
+
+
+def stamp_on_term(path: str) -> None:
+    """When SIGTERM arrives, write the clock to ``path``, then die of SIGTERM as before.
+
+    The time a sibling of a failed worker is told to stop: the supervisor has seen the
+    failure and acted on it.
+    """
+
+    def on_term(signum: int, frame: object) -> None:
+        write_stamp(path)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def restart(directory: str) -> None:

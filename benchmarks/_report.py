@@ -265,7 +265,10 @@ def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:
                     [
                         r["case"],
                         str(r["n"]),
-                        metric.unit,
+                        # Named where a measure has several: "ms" alone would not say which.
+                        metric.unit
+                        if len(measure.metrics) == 1
+                        else f"{metric.name}, {metric.unit}",
                         _cell(ours, metric),
                         _cell(theirs, metric) if theirs else "",
                         r["theirs_system"] or "",

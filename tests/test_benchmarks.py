@@ -120,6 +120,32 @@ def test_quick_completion_runs_both_sides_interleaved(tmp_path: Path) -> None:
             assert row["ratio"] == pytest.approx(row["theirs"]["median"] / row["ours"]["median"])
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_failure_detection_ends_when_the_first_sibling_is_told_to_stop(tmp_path: Path) -> None:
+    # Every sibling stamps its SIGTERM; "detected" is the first stamp after rank 0's
+    # failure, for every system, and comes before the caller holds the failure.
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "failure", "--ns", "2", "--json", str(out), timeout=170)
+    assert proc.returncode == 0, proc.stderr
+    document = json.loads(out.read_text())
+    systems = set()
+    for series in document["series"]:
+        assert series["status"] == "ok", series
+        assert series["samples"]
+        for sample in series["samples"]:
+            assert 0 < sample["detected"] <= sample["seconds"]
+        systems.add(series["system"])
+    assert systems == {
+        "aioelastic/binary",
+        "torch.elastic/binary",
+        "aioelastic/forkserver",
+        "torch.elastic/forkserver",
+        "torch.mp/forkserver",
+    }
+    assert "| bin | 2 | detected, ms |" in proc.stdout
+
+
 def test_a_run_directory_that_cannot_be_made_is_refused_before_anything_runs(
     tmp_path: Path,
 ) -> None:
@@ -306,7 +332,7 @@ def test_write_readme_regenerates_the_tables_between_markers_only(tmp_path: Path
     assert "bin vs floor" not in text  # its headline N (256) did not run
     page = docs.read_text()
     assert "#### i. binary:" in page
-    assert "| bin vs floor (target >= 0.5) | 8 | ms |" in page
+    assert "| bin vs floor (target >= 0.5) | 8 | per_worker, ms |" in page
     # Idempotent: a second regeneration changes nothing.
     _run(*args, timeout=30)
     assert readme.read_text() == text

@@ -74,12 +74,26 @@ class Watchdog:
 
 
 def _outcome(ctx: RepContext, done: int) -> dict[str, float]:
-    elapsed = seconds(done - read_stamp(ctx.workdir / "fail0"))
+    failed = read_stamp(ctx.workdir / "fail0")
+    elapsed = seconds(done - failed)
     grace = ctx.float_param("grace")
-    return {
+    outcome = {
         "seconds": elapsed,
         "beyond_grace": elapsed - grace if ctx.params["ignore_term"] else 0.0,
     }
+    if ctx.n > 1 and not ctx.params["ignore_term"]:
+        # Every sibling stamped its SIGTERM before it died, and both systems return only
+        # once the siblings are gone: the first stamp is when the failure was acted on.
+        outcome["detected"] = seconds(min(_term_stamps(ctx)) - failed)
+    return outcome
+
+
+def _term_stamps(ctx: RepContext) -> list[int]:
+    """The SIGTERM stamps of ranks 1..n-1 (see :func:`benchmarks._fn_light.stamp_on_term`)."""
+    missing = [r for r in range(1, ctx.n) if not (ctx.workdir / f"term{r}").exists()]
+    if missing:
+        raise RuntimeError(f"siblings {missing} wrote no SIGTERM stamp in {ctx.workdir}")
+    return [read_stamp(ctx.workdir / f"term{r}") for r in range(1, ctx.n)]
 
 
 def _delay(ctx: RepContext) -> float:
@@ -94,7 +108,8 @@ def _bin_args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
     fifo, armed = _fifos(ctx)
     ignore = int(bool(ctx.params["ignore_term"]))
     args = {0: _bin.argv("fail", fifo, ctx.n - 1, armed, ctx.workdir / "fail0", _delay(ctx))}
-    args.update({r: _bin.argv("sleep", fifo, ignore) for r in range(1, ctx.n)})
+    term = ctx.workdir / "term"
+    args.update({r: _bin.argv("sleep", fifo, ignore, f"{term}{r}") for r in range(1, ctx.n)})
     return args
 
 

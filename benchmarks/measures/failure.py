@@ -1,25 +1,30 @@
 """c. Failure detection: from a worker's exit to the caller holding the failure.
 
 See :mod:`benchmarks.measures._failjob`: rank 0 exits 1 at a random moment (up to 1 s)
-after all N workers run; its siblings stop at the first SIGTERM. The time includes
-stopping those siblings, which both systems do before handing the failure over.
+after all N workers run; its siblings stop at the first SIGTERM. ``seconds`` includes
+stopping those siblings, which both systems do before handing the failure over;
+``detected`` (N > 1) ends when the first sibling receives its SIGTERM: the supervisor
+has seen the failure and acted on it.
 """
 
 from __future__ import annotations
 
-from benchmarks._spec import SECONDS, Group, Measure, Row, System
+from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import TORCH_PRELOAD
 
 _M = "benchmarks.measures._failjob"
+DETECTED = Metric("detected", "ms", scale=1000.0)
 _PARAMS = {"ignore_term": False, "grace": 30.0, "limit": 60.0, "jitter": 1.0}
 
 MEASURE = Measure(
     name="failure",
     letter="c",
     title="a worker's exit to the caller holding the failure",
-    metrics=(SECONDS,),
+    metrics=(SECONDS, DETECTED),
     notes=(
         "Rank 0 exits 1 at a random moment up to 1 s after all N run; siblings stop on SIGTERM. "
+        "seconds: to the caller holding the failure, siblings stopped; detected (N > 1): to "
+        "the first sibling receiving SIGTERM (the failure seen and acted on). "
         "torch.elastic: default `wait()` (period 1 s). torch.mp: `join()` on the process sentinels."
     ),
     groups=(
