@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -93,3 +95,31 @@ async def started_in_own_session(
         with anyio.CancelScope(shield=True):
             await proc.wait()
             await proc.aclose()
+
+
+async def close_with_reporter_stopped(ctx: Any, reporter_pid: int, grace: float) -> Any:
+    """SIGSTOP the process that reports the workers' exits, ``close()`` ``ctx``, and check it.
+
+    The report never comes: teardown must give up after its bound, and the rank's failure
+    must say its exit status is unknown. Returns the result of ``ctx.wait()``; the caller
+    continues the reporter (SIGCONT) whatever happens.
+    """
+    from aioelastic._core._teardown import CHILDREN_KILL_TIMEOUT
+
+    os.kill(reporter_pid, signal.SIGSTOP)
+    start = time.monotonic()
+    with anyio.fail_after(60):
+        await ctx.close()
+    took = time.monotonic() - start
+    result = await ctx.wait()
+    assert took < grace + CHILDREN_KILL_TIMEOUT + 15
+    assert result is not None
+    assert result.is_failed()
+    failure = result.failures[0]
+    assert failure.exitcode == 1
+    assert failure.message == (
+        f"worker 0 was not seen exiting {CHILDREN_KILL_TIMEOUT:g} s after SIGKILL "
+        "(uninterruptible sleep, or a stopped fork server or watchdog?); its exit status "
+        "is unknown"
+    )
+    return result
