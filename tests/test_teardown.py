@@ -113,3 +113,47 @@ async def test_a_group_that_ended_leaves_no_leader_for_the_scans_to_skip(tmp_pat
     )
     assert result.is_failed()
     assert runtime.worker_leaders == before
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_close_whose_task_asyncio_cancels_still_stops_every_worker(
+    tmp_path: Path,
+) -> None:
+    """asyncio's own cancellation reaches through anyio's shields; teardown must not stop.
+
+    It is what ``asyncio.run`` does to the main task at Ctrl-C, often while that task is
+    in ``close()`` (a failed group waiting out its grace period). The worker ignores
+    SIGTERM, so the teardown is in its grace period when the cancellation comes; it must
+    still SIGKILL and reap the worker, and only then pass the cancellation on.
+    """
+    import asyncio
+    import time
+
+    fifo = ReadyFifo(tmp_path)
+    grace = 1.0
+    script = (
+        f"trap 'echo term > {fifo.path}' TERM; echo ready > {fifo.path}; "
+        "while :; do sleep 600 & wait $!; done"
+    )
+    try:
+        async with aioelastic.start_processes(
+            "stubborn", "/bin/sh", {0: ("-c", script)}, {0: {}}, grace_period=grace
+        ) as ctx:
+            assert await fifo.lines(1) == ["ready"]
+            (pid,) = ctx.pids().values()
+            started = time.monotonic()
+            closer = asyncio.ensure_future(ctx.close())
+            assert await fifo.lines(1) == ["term"]  # the teardown is in its grace period
+            assert is_running(pid)
+            closer.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closer
+            took = time.monotonic() - started
+            assert not is_running(pid)  # SIGKILLed after the grace period, and reaped
+            result = await ctx.wait()
+        assert took < grace + 10
+        assert result is not None
+        assert result.stopped
+    finally:
+        fifo.close()

@@ -54,6 +54,7 @@ from ._runtime import runtime
 from ._std import Std
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
+from ._to_the_end import to_the_end
 from ._validate import GroupSpec, validate
 from ._watchdog import BinaryStart, watchdog
 from ._worker import WorkerProcess
@@ -992,9 +993,17 @@ class PContext:
         if self._closing:
             self._escalate.set()
         self._closing = True
+
+        async def stop_and_finish() -> None:
+            with anyio.CancelScope(shield=True):
+                await self._stop(death_sig, grace)
+                await self._finish_io()
+
+        # The shield keeps anyio's cancellation out as before; to_the_end also runs the
+        # teardown to its end despite asyncio's own (a Ctrl-C under asyncio.run cancels
+        # the main task, which is often this one), and raises it only then.
         with anyio.CancelScope(shield=True):
-            await self._stop(death_sig, grace)
-            await self._finish_io()
+            await to_the_end(stop_and_finish)
 
     async def _stop(self, death_sig: int, grace_period: float) -> None:
         if self._stopping:
@@ -1062,10 +1071,16 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        await self.close()
+        assert self._tg is not None
+        try:
+            await self.close()
+        except asyncio.CancelledError:
+            # asyncio's own cancellation, passed on by close() once its teardown ended:
+            # the task group is exited first, or it would stay entered in this task.
+            await self._tg.__aexit__(None, None, None)
+            raise
         # Outside any shield: a task group must be exited from the scope it was entered
         # in. Its tasks are all finished or shielded-and-ending by now, so this is quick.
-        assert self._tg is not None
         await self._tg.__aexit__(None, None, None)
         return None
 
