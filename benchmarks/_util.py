@@ -40,17 +40,18 @@ def read_stamp(path: str | os.PathLike[str]) -> int:
     return int(Path(path).read_text())
 
 
-def read_stamps(directory: Path, prefix: str, n: int) -> list[int]:
-    """The stamps ``{prefix}{rank}`` for ranks ``0..n-1``.
+def read_stamps(directory: Path, prefix: str, n: int, first: int = 0) -> list[int]:
+    """The stamps ``{prefix}{rank}`` for ranks ``first..n-1``.
 
     Raises:
-        RuntimeError: a rank wrote no stamp (its worker never reached user code); the
+        RuntimeError: a rank wrote no stamp (its worker never reached that point); the
             message names the missing ranks.
     """
-    missing = [r for r in range(n) if not (directory / f"{prefix}{r}").exists()]
+    ranks = range(first, n)
+    missing = [r for r in ranks if not (directory / f"{prefix}{r}").exists()]
     if missing:
         raise RuntimeError(f"workers {missing} wrote no {prefix!r} stamp in {directory}")
-    return [read_stamp(directory / f"{prefix}{r}") for r in range(n)]
+    return [read_stamp(directory / f"{prefix}{r}") for r in ranks]
 
 
 def seconds(ns: int) -> float:

@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 #: The session's own temporary directory (see :func:`pytest_configure`).
-_SESSION_TMP: list[str] = []
+_SESSION_TMP = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -68,18 +68,18 @@ def pytest_configure(config: pytest.Config) -> None:
     if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
         signal.signal(signal.SIGQUIT, signal.SIG_DFL)
     path = tempfile.mkdtemp(prefix="aioelastic-tests-")
-    _SESSION_TMP.append(path)
+    config.stash[_SESSION_TMP] = path
     os.environ["TMPDIR"] = path
     tempfile.tempdir = path
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Remove the session's temporary directory, unless a test failed (then say where)."""
-    for path in _SESSION_TMP:
-        if exitstatus == 0:
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            print(f"\ntemporary files of this test run kept in {path}", file=sys.stderr)
+    path = session.config.stash[_SESSION_TMP]
+    if exitstatus == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        print(f"\ntemporary files of this test run kept in {path}", file=sys.stderr)
 
 
 MARK_VAR = "AIOELASTIC_TEST_MARK"

@@ -157,3 +157,43 @@ async def test_a_close_whose_task_asyncio_cancels_still_stops_every_worker(
         assert result.stopped
     finally:
         fifo.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_ctrl_c_while_close_waits_out_its_grace_period_still_ends_every_worker(
+    tmp_path: Path,
+) -> None:
+    """The same, from a real SIGINT to a supervisor running under ``anyio.run``."""
+    import json
+    import time
+
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with await anyio.open_process(
+            [sys.executable, "-m", "tests.children.interrupted_close", str(fifo.path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        ) as proc:
+            assert proc.stdin is not None
+            assert proc.stderr is not None
+            (line,) = await fifo.lines(1)
+            worker = int(line.split()[1])
+            await proc.stdin.send(b"close\n")
+            err = b""
+            with anyio.fail_after(30):
+                while b"closing\n" not in err:
+                    err += await proc.stderr.receive()
+            proc.send_signal(signal.SIGINT)  # close() is in its 2 s grace period now
+            started = time.monotonic()
+            with anyio.fail_after(30):
+                await proc.wait()
+                async for chunk in proc.stderr:
+                    err += chunk
+            took = time.monotonic() - started
+    finally:
+        fifo.close()
+    assert took < 2.0 + 10
+    left = json.loads(err.decode().strip().splitlines()[-1])
+    assert left == {"children": [], "fds": []}
+    assert not is_running(worker)

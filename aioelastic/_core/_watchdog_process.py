@@ -91,7 +91,7 @@ def _read_all(fd: int) -> bytes:
     return b"".join(chunks)
 
 
-def _answer(fd: int, answer: tuple[str, int] | tuple[str, int, str] | tuple[str, int, int]) -> None:
+def _answer(fd: int, answer: tuple[str | int, ...]) -> None:
     # One datagram per answer. It cannot block for long: a batch's socket carries at
     # most two small messages per start (its answer and its exit), far below the
     # socket's send buffer.

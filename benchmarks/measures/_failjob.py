@@ -25,7 +25,7 @@ from typing import Any
 
 from benchmarks import _bin
 from benchmarks._spec import RepContext, RepTimeout
-from benchmarks._util import make_fifo, now_ns, read_stamp, seconds, wait_ready
+from benchmarks._util import make_fifo, now_ns, read_stamp, read_stamps, seconds, wait_ready
 from benchmarks.measures._common import (
     NAME,
     aio_core,
@@ -84,16 +84,10 @@ def _outcome(ctx: RepContext, done: int) -> dict[str, float]:
     if ctx.n > 1 and not ctx.params["ignore_term"]:
         # Every sibling stamped its SIGTERM before it died, and both systems return only
         # once the siblings are gone: the first stamp is when the failure was acted on.
-        outcome["detected"] = seconds(min(_term_stamps(ctx)) - failed)
+        # (See benchmarks._fn_light.stamp_on_term.)
+        told = read_stamps(ctx.workdir, "term", ctx.n, first=1)
+        outcome["detected"] = seconds(min(told) - failed)
     return outcome
-
-
-def _term_stamps(ctx: RepContext) -> list[int]:
-    """The SIGTERM stamps of ranks 1..n-1 (see :func:`benchmarks._fn_light.stamp_on_term`)."""
-    missing = [r for r in range(1, ctx.n) if not (ctx.workdir / f"term{r}").exists()]
-    if missing:
-        raise RuntimeError(f"siblings {missing} wrote no SIGTERM stamp in {ctx.workdir}")
-    return [read_stamp(ctx.workdir / f"term{r}") for r in range(1, ctx.n)]
 
 
 def _delay(ctx: RepContext) -> float:
