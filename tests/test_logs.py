@@ -7,9 +7,11 @@ failure-report behaviour is checked in-process where that is enough.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -26,6 +28,8 @@ import anyio
 import pytest
 
 from aioelastic import ChildFailedError, Std, run_processes, start_processes
+from aioelastic._core import _logs
+from aioelastic._core._console import ConsoleStream
 from aioelastic._core._frames import Framer, Live
 from aioelastic._core._logs import StreamPump
 from tests.children import logs as children
@@ -185,6 +189,33 @@ def test_every_line_reaches_files_and_console_once_whole_and_prefixed(
         assert out[rank] == expected_out.split(b"\n")[:-1]
         assert err[rank] == expected_err.split(b"\n")[:-1]
         assert summary["stdouts"][str(rank)] == str(tmp_path / "logs" / str(rank) / "stdout.log")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["function", "binary"])
+def test_block_buffered_writers_get_whole_lines_on_the_console(
+    supervise: Any, tmp_path: Path, kind: str
+) -> None:
+    # 8 KiB writes ending mid-line at ~10,000 lines/s for about three seconds: most
+    # reads end in the middle of a line, for many flush delays in a row, and no line
+    # may be cut, lost or printed twice on the console (a pipe here).
+    nprocs, lines, rate = 4, 30_000, 10_000.0
+    args = [[rank, lines, rate] for rank in range(nprocs)]
+    config: dict[str, Any] = {"worker": "paced_blocks", "nprocs": nprocs, "args": args}
+    if kind == "binary":
+        config["binary"] = sys.executable
+        config["args"] = [["-m", "tests.children.logs", "paced_blocks", *map(str, a)] for a in args]
+    sup = supervise(
+        {**config, "tee": Std.ALL, "redirects": Std.ALL, "log_dir": str(tmp_path / "logs")}
+    )
+    stdout, stderr, summary = sup.finish()
+    assert summary["failures"] == {}
+    out, err = by_rank(stdout, nprocs), by_rank(stderr, nprocs)
+    for rank in range(nprocs):
+        expected = numbered_bytes(rank, lines)
+        for name, console in (("stdout", out), ("stderr", err)):
+            assert (tmp_path / "logs" / str(rank) / f"{name}.log").read_bytes() == expected
+            assert console[rank] == expected.split(b"\n")[:-1], f"{name} of rank {rank}"
 
 
 def test_stdout_and_stderr_on_one_pipe_never_cut_each_others_lines(supervise: Any) -> None:
@@ -451,6 +482,213 @@ async def test_a_pump_closed_from_another_task_leaves_no_stale_registration() ->
             os.close(writer)
             await again.closed.wait()
     assert again.tail_lines() == ["heard"]
+
+
+# -- whole lines whatever the chunking ----------------------------------------------------
+#
+# The pump is fed the same byte stream cut at random boundaries, with random pauses
+# between writes (the pattern of a block-buffered program: nearly every read ends in the
+# middle of a line, for many flush delays in a row), into a real console writer whose
+# pipe is drained by a reader that may be slow enough to pause the pump. Every line must
+# reach the console once, in order, whole and prefixed, exactly as if the stream had been
+# read in one piece. Pauses are bounded so that no line waits for its newline longer than
+# a fraction of the flush delay: a line held longer is *meant* to be shown early.
+
+_DELAY = 0.5  # the flush delay in these tests: a wide margin over the pauses below
+_LINE_BUDGET = 0.1  # the most a line may wait between its first byte and its newline
+
+
+def _numbered_stream(rng: random.Random, lines: int) -> bytes:
+    return b"".join(b"line %d %s\n" % (i, b"x" * rng.randrange(60)) for i in range(lines))
+
+
+def _frames_stream(rng: random.Random, pieces: int) -> bytes:
+    out = []
+    for i in range(pieces):
+        kind = rng.random()
+        if kind < 0.5:
+            out.append(b"line %d %s\n" % (i, b"x" * rng.randrange(40)))
+        elif kind < 0.75:
+            frames = rng.randint(1, 6)
+            bar = b"".join(b"\rstep %d/%d" % (j, frames) for j in range(1, frames + 1))
+            out.append(bar + rng.choice([b"\n", b"\r\n", b"\r", b""]))
+        elif kind < 0.9:
+            out.append(b"crlf %d\r\n" % i)
+        else:
+            out.append(rng.choice([b"\n", b"\r", b"\r\r"]))
+    return b"".join(out) + b"\n"
+
+
+def _big_line_stream(rng: random.Random) -> bytes:
+    before, after = _numbered_stream(rng, 12_000), _numbered_stream(rng, 12_000)
+    return before + b"<" + b"L" * (1 << 20) + b">\n" + after
+
+
+def _cut(rng: random.Random, data: bytes, sizes: Any, pauses: Any) -> list[tuple[bytes, float]]:
+    """``data`` as (chunk, pause before it) pairs, no line waiting past ``_LINE_BUDGET``."""
+    chunks: list[tuple[bytes, float]] = []
+    at, clock, line_began = 0, 0.0, 0.0
+    while at < len(data):
+        chunk = data[at : at + sizes()]
+        pause = pauses()
+        if at and data[at - 1 : at] != b"\n" and clock + pause - line_began > _LINE_BUDGET:
+            pause = 0.0  # the line begun before this chunk must not be held any longer
+        clock += pause
+        chunks.append((chunk, pause))
+        at += len(chunk)
+        end = chunk.rfind(b"\n")
+        if end >= 0 and end < len(chunk) - 1:
+            line_began = clock  # this chunk begins a line it does not end
+        elif end < 0 and data[at - len(chunk) - 1 : at - len(chunk)] in (b"\n", b""):
+            line_began = clock
+    return chunks
+
+
+def _block_buffered(rng: random.Random, data: bytes) -> list[tuple[bytes, float]]:
+    # 8 KiB writes, each ending wherever the buffer filled: ~10,000 lines/s.
+    return _cut(rng, data, lambda: 8192, lambda: rng.uniform(0.01, 0.03))
+
+
+def _random_cuts(rng: random.Random, data: bytes) -> list[tuple[bytes, float]]:
+    sizes = lambda: int(2 ** rng.uniform(0, 13))  # noqa: E731 - 1 B to 8 KiB, log-uniform
+    return _cut(rng, data, sizes, lambda: rng.choice([0.0, 0.0, rng.uniform(0, 0.02)]))
+
+
+def rendered(console: bytes, prefix: bytes) -> list[list[bytes]]:
+    """What each console line shows, frame by frame; every frame must carry ``prefix``.
+
+    A redrawn line is the list of its frames; empty frames and a bare prefix (a
+    redrawing ``\\r`` at the start of a line) draw nothing and are left out.
+    """
+    assert console.endswith(b"\n"), console[-200:]
+    lines = []
+    for line in console.split(b"\n")[:-1]:
+        frames = [frame for frame in line.split(b"\r") if frame and frame != prefix]
+        for frame in frames:
+            assert frame.startswith(prefix), f"a piece without its prefix: {frame[:200]!r}"
+        lines.append(frames)
+    return lines
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_the_framer_shows_the_same_whatever_the_chunking(seed: int) -> None:
+    rng = random.Random(seed)
+    data = _frames_stream(rng, 60)
+    reference = Framer(b"[p]", console=True, keep_tail=True)
+    whole = reference.feed(data) + reference.end()
+    framer = Framer(b"[p]", console=True, keep_tail=True)
+    pieces, at = [], 0
+    while at < len(data):
+        size = rng.randint(1, 12)
+        pieces.append(framer.feed(data[at : at + size]))
+        at += size
+    shown = b"".join(pieces) + framer.end()
+    assert rendered(shown, b"[p]") == rendered(whole, b"[p]")
+    assert framer.tail_lines() == reference.tail_lines()
+
+
+class PipeConsole:
+    """A real console writer whose stream is a pipe drained by a thread, maybe slowly."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, *, high_water: int, slow: bool) -> None:
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        self._stream = io.TextIOWrapper(io.FileIO(write_end, "w"))
+        monkeypatch.setattr(sys, "stdout", self._stream)
+        self.stream = ConsoleStream("stdout", high_water=high_water)
+        self.received = bytearray()
+        pause = 0.001 if slow else 0.0
+
+        def read() -> None:
+            with io.FileIO(read_end, "r") as pipe:
+                while chunk := pipe.read(4096 if slow else 1 << 20):
+                    self.received += chunk
+                    if pause:
+                        time.sleep(pause)  # a slow terminal: the pace, not a synchronisation
+
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
+
+    async def close(self) -> bytes:
+        """Wait until everything queued is written; return what the reader received."""
+        await self.stream.flush()
+        self._stream.close()
+        self._reader.join(30)
+        assert not self._reader.is_alive()
+        return bytes(self.received)
+
+
+async def pump_chunks(
+    chunks: list[tuple[bytes, float]], console: PipeConsole, prefix: bytes
+) -> None:
+    """Write ``chunks`` into a pipe from a thread, pausing as told, through a pump."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    pump = StreamPump(
+        read_end, log_path=None, console=console.stream, prefix=prefix, keep_tail=True
+    )
+
+    def write() -> None:
+        try:
+            for chunk, pause in chunks:
+                if pause:
+                    time.sleep(pause)  # the writer's pace, not a synchronisation
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(write_end, view) :]
+        except BrokenPipeError:
+            pass  # the pump failed and closed its end; the assertions below say so
+        finally:
+            os.close(write_end)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    with anyio.fail_after(60):
+        await pump.run()
+    writer.join(10)
+    assert pump.log_fault() is None
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("stream", "cut", "slow_console"),
+    [
+        pytest.param("numbered", _block_buffered, False, id="block-buffered"),
+        pytest.param("numbered", _random_cuts, False, id="random-cuts"),
+        pytest.param("numbered", _block_buffered, True, id="block-buffered-slow-console"),
+        pytest.param("frames", _random_cuts, False, id="frames-random-cuts"),
+        pytest.param("frames", _random_cuts, True, id="frames-slow-console"),
+        pytest.param("big-line", _random_cuts, False, id="megabyte-line"),
+    ],
+)
+async def test_console_lines_are_the_written_lines_whatever_the_chunking(
+    monkeypatch: pytest.MonkeyPatch, stream: str, cut: Any, slow_console: bool
+) -> None:
+    monkeypatch.setattr(_logs, "FLUSH_DELAY", _DELAY)
+    seed = f"{stream}-{cut.__name__}-{slow_console}"
+    rng = random.Random(seed)
+    if stream == "numbered":
+        data = _numbered_stream(rng, 20_000)
+    elif stream == "frames":
+        data = _frames_stream(rng, 20_000)
+    else:
+        data = _big_line_stream(rng)
+    chunks = cut(rng, data)
+    # Long runs of reads that all end mid-line, for several flush delays in a row: the
+    # pattern that cut a line in two every flush delay.
+    mid_line = [chunk[-1:] != b"\n" for chunk, _ in chunks]
+    assert sum(pause for _, pause in chunks) > 3 * _DELAY
+    assert sum(mid_line) > 0.9 * len(chunks)
+    prefix = b"[w3]:"
+    console = PipeConsole(
+        monkeypatch, high_water=8192 if slow_console else 1 << 24, slow=slow_console
+    )
+    await pump_chunks(chunks, console, prefix)
+    shown = await console.close()
+    reference = Framer(prefix, console=True, keep_tail=False)
+    whole = reference.feed(data) + reference.end()
+    assert rendered(shown, prefix) == rendered(whole, prefix), f"seed {seed}"
+    if b"\r" not in data:
+        assert shown == b"".join(prefix + line + b"\n" for line in data.split(b"\n")[:-1])
 
 
 # -- prefixes and the rank filter -------------------------------------------------------

@@ -64,9 +64,11 @@ class Framer:
     # Two per worker, hundreds of workers: no per-instance dict.
     __slots__ = (
         "_console",
+        "_fed",
         "_leading_cr",
         "_live",
         "_partial",
+        "_partial_at",
         "_prefix",
         "_redrawn",
         "_shown",
@@ -89,6 +91,9 @@ class Framer:
         #: A redrawing \r arrived alone at the start of a line: the next piece starts with it.
         self._leading_cr = False
         self._partial = bytearray()
+        #: Bytes fed so far, and where in the stream ``_partial`` begins.
+        self._fed = 0
+        self._partial_at = 0
         #: Bytes of ``_partial`` already on the console as a frame (closed by our ``\r``).
         self._shown = 0
         #: The line being written has been redrawn by a ``\r``: what is held is a frame.
@@ -105,13 +110,28 @@ class Framer:
         """Whether bytes are held that the console has not shown yet."""
         return len(self._partial) > self._shown
 
+    @property
+    def held_from(self) -> int:
+        """Where in the stream the bytes held back (see :attr:`holding`) begin.
+
+        The flush delay of a held piece counts from its first byte: a caller keeping the
+        deadline compares this before and after :meth:`feed` to tell a piece that grew
+        from a new one, begun after a line the same chunk completed.
+        """
+        return self._partial_at + self._shown
+
     def feed(self, chunk: bytes) -> bytes:
         """Take the next bytes of the stream; return what the console should print now."""
+        start = self._fed
+        self._fed += len(chunk)
         cut = _boundary(chunk)
         if cut == 0 and self._partial[-1:] == b"\r" and chunk[:1] not in (b"\r", b"\n", b""):
             # The \r that ended the previous read redraws: all that is held is a frame.
             block, self._partial = bytes(self._partial), bytearray(chunk)
+            self._partial_at = start
         elif cut == 0:
+            if not self._partial:
+                self._partial_at = start
             # bytearray appends are amortised O(1): a 1 MB line arriving in 64 KiB
             # chunks is copied once, not once per chunk.
             self._partial += chunk
@@ -129,6 +149,7 @@ class Framer:
             else:
                 block = chunk[:cut] if cut < len(chunk) else chunk
             self._partial = bytearray(chunk[cut:])
+            self._partial_at = start + cut
         out = self._emit_block(block)
         if self._live and self._partial and self._is_frame():
             out += self._show_frame()

@@ -301,12 +301,17 @@ class StreamPump:
             self._output.feed(chunk)
         if self._console is None and not self._framer.keeps_tail:
             return
-        self._put(self._framer.feed(chunk))
-        if not self._framer.holding:
+        framer = self._framer
+        held_from = framer.held_from if framer.holding else None
+        self._put(framer.feed(chunk))
+        if not framer.holding:
             self._flush_at = math.inf
-        elif self._flush_at == math.inf:
-            # The loop's clock (anyio's on asyncio); asked of the loop directly because
-            # this runs in a reader callback, outside any task.
+        elif framer.held_from != held_from:
+            # A new piece is held: its own first byte starts its delay, not that of the
+            # line this chunk completed. A block-buffered writer ends nearly every read
+            # mid-line, and a deadline kept from the first of them cut a line in two
+            # every FLUSH_DELAY. The loop's clock (anyio's on asyncio), asked of the loop
+            # directly because this runs in a reader callback, outside any task.
             loop = self._loop or asyncio.get_running_loop()
             self._flush_at = loop.time() + FLUSH_DELAY
 

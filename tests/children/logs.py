@@ -14,7 +14,8 @@ strings) plus:
 * ``stop_on_stdin``: stay up until a line arrives on stdin, then close the context;
 * ``high_water``: the console's back-pressure mark, in bytes;
 * ``warm_console``: start the console's writer thread before any worker starts;
-* ``quiet``: no ``@@`` reports (for a stdout and stderr that are one pipe).
+* ``quiet``: no ``@@`` reports (for a stdout and stderr that are one pipe);
+* ``binary``: start this program instead of a function (``args`` are its arguments).
 
 The supervisor reports its own progress on fd 2 as lines starting with ``@@`` (written
 with ``os.write``, never through the console queue under test).
@@ -56,6 +57,35 @@ def numbered(rank: int, out_lines: int, err_lines: int) -> None:
             err.write(numbered_line(rank, i) + "\n")
     out.flush()
     err.flush()
+
+
+def paced_blocks(rank: int, lines: int, rate: float) -> None:
+    """Write ``lines`` numbered lines to stdout and stderr as a block-buffered program does.
+
+    Each stream gets 8 KiB writes that end wherever the buffer filled (nearly always in
+    the middle of a line), paced to ``rate`` lines a second: ``print()`` in a loop
+    without ``-u``, whose pipe reader sees a partial line at the end of almost every read.
+    """
+    block = 8192
+    pending = bytearray()
+    began = time.monotonic()
+    for i in range(lines):
+        pending += (numbered_line(rank, i) + "\n").encode()
+        if len(pending) >= block:
+            for fd in (1, 2):
+                _write_all(fd, pending[:block])
+            del pending[:block]
+            ahead = began + (i + 1) / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)  # the writer's pace, not a synchronisation
+    for fd in (1, 2):
+        _write_all(fd, pending)
+
+
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def progress_bar_then_exit() -> None:
@@ -198,7 +228,7 @@ async def _supervise(config: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     ctx = start_processes(
         name=config.get("name", "w"),
-        entrypoint=globals()[config["worker"]],
+        entrypoint=config["binary"] if "binary" in config else globals()[config["worker"]],
         args=args,
         envs=envs,
         log_dir=config.get("log_dir"),
@@ -236,6 +266,9 @@ def main(argv: list[str]) -> None:
     """``supervise CONFIG_JSON``: run a group of workers as the config says."""
     import anyio
 
+    if argv[:1] == ["paced_blocks"]:  # the same worker as a program (binary workers)
+        paced_blocks(int(argv[1]), int(argv[2]), float(argv[3]))
+        return
     if argv[:1] != ["supervise"] or len(argv) != 2:
         raise SystemExit(f"usage: python -m tests.children.logs supervise CONFIG_JSON, got {argv}")
     config = json.loads(argv[1])
