@@ -140,9 +140,32 @@ async def test_health_port_answers_and_is_bound_to_loopback() -> None:
             socket.create_connection((other, ports["health"]), timeout=2).close()
 
 
+class TickedLiveness(Liveness):
+    """A :class:`Liveness` whose ticks a test can await (:meth:`next_tick`)."""
+
+    _tick = 0.0
+    _ticked: anyio.Event | None = None
+
+    @property
+    def last_tick(self) -> float:
+        return self._tick
+
+    @last_tick.setter
+    def last_tick(self, value: float) -> None:
+        self._tick = value
+        if self._ticked is not None:
+            self._ticked.set()
+
+    async def next_tick(self) -> None:
+        """Wait for the next tick; its ``lag`` is measured by the time this returns."""
+        self._ticked = anyio.Event()
+        await self._ticked.wait()
+
+
 @pytest.mark.asyncio
 async def test_a_wedged_loop_does_not_answer_and_recovers() -> None:
-    liveness = Liveness(interval=0.1, max_lag=0.5)
+    # An interval long enough that the test sees each tick before the next one comes.
+    liveness = TickedLiveness(interval=0.25, max_lag=0.5)
     listener = await open_listener(0)
     port = listener.extra(anyio.abc.SocketAttribute.local_port)
     async with anyio.create_task_group() as tg:
@@ -169,14 +192,31 @@ async def test_a_wedged_loop_does_not_answer_and_recovers() -> None:
         # The supervisor's loop is wedged from here on (a blocking call in the loop):
         # the kernel accepts the connection, nobody answers.
         assert asked.wait(10)
-        time.sleep(1.5)
+        wedge = 1.5
+        time.sleep(wedge)
         thread.join(10)
         assert isinstance(outcome[0], TimeoutError), outcome
-        # A lag beyond max_lag was measured: the next answers say so until it passes.
-        assert liveness.lag > 0.5 or not liveness.healthy()
-        with anyio.fail_after(10):
-            while (await aget(port, "/health"))[0] != 200:
-                await anyio.sleep(0.1)
+        # The loop has not run since: the wedge's lag is not measured yet, but the tick is
+        # overdue by more than max_lag, which alone makes it unhealthy.
+        assert liveness.lag <= liveness.max_lag
+        assert not liveness.healthy()
+        assert liveness.response().status == 503
+        # The overdue tick measures the wedge: unhealthy now for the lag itself, though
+        # that tick was just taken, and /health says so with the lag.
+        await liveness.next_tick()
+        assert liveness.lag >= wedge - liveness.interval
+        assert not liveness.healthy()
+        response = liveness.response()
+        assert response.status == 503
+        answer = json.loads(response.body)
+        assert answer["status"] == "unhealthy"
+        assert answer["loop_lag_seconds"] >= wedge - liveness.interval
+        # One tick on time and it has passed: healthy again, and the server answers 200.
+        await liveness.next_tick()
+        assert liveness.lag <= liveness.max_lag
+        assert liveness.healthy()
+        status, _, body = await aget(port, "/health")
+        assert (status, json.loads(body)["status"]) == (200, "ok")
         tg.cancel_scope.cancel()
 
 

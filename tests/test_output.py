@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import AsyncIterable
 from pathlib import Path
 from typing import Any
@@ -86,12 +87,33 @@ async def test_a_slow_subscriber_gets_a_gap_count_and_the_newest_items() -> None
 
 @pytest.mark.asyncio
 async def test_publishing_never_waits_for_a_reader() -> None:
+    """A subscriber that never reads costs the publisher a bounded buffer and a count.
+
+    ``feed`` is synchronous: a wait in it would block the pump (and the event loop), and
+    ``fail_after`` cannot interrupt it; the time is measured instead, after every chunk.
+    The 100,000 lines take 0.2 to 1 s (a busy machine); the budget is 10 s, which a wait
+    of a tenth of a millisecond for each line dropped exceeds.
+    """
     hub = OutputHub()
-    hub.subscribe(buffer=1)  # never read
+    stalled = hub.subscribe(buffer=1000)  # not read until the end
+    ample = hub.subscribe(buffer=100_000)
     out = StreamOutput(hub, 0, Std.OUT)
-    with anyio.fail_after(5):
-        for start in range(0, 100_000, 1000):
-            _lines(out, 1000, start)
+    budget = 10.0
+    began = time.monotonic()
+    for start in range(0, 100_000, 1000):
+        _lines(out, 1000, start)
+        took = time.monotonic() - began
+        assert took < budget, f"{start + 1000} lines to a stalled subscriber took {took:.1f} s"
+    out.end()
+    hub.close()
+    # The stalled one kept its buffer's worth, the newest, and is told how many it lost.
+    items = await _collect(stalled)
+    assert [i.data for i in items] == [b"line %d" % i for i in range(99_000, 100_000)]
+    assert [i.missed for i in items] == [99_000] + [0] * 999
+    # The other subscriber, with room for all, lost nothing for it.
+    items = await _collect(ample)
+    assert [i.data for i in items] == [b"line %d" % i for i in range(100_000)]
+    assert not any(i.missed for i in items)
 
 
 @pytest.mark.asyncio
