@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import gc
+import re
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -16,6 +18,7 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
+from aioelastic._core._values import RDZV_OPTIONS  # noqa: E402
 from aioelastic._core._values import endpoint as parse_endpoint  # noqa: E402
 from aioelastic._elastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
 from aioelastic._elastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
@@ -341,3 +344,85 @@ def test_endpoints_parse_as_torch_parses_them_without_importing_it(endpoint: str
     assert outcome(parse_endpoint) == outcome(
         lambda e, p: parse_rendezvous_endpoint(e, default_port=p)
     )
+
+
+# -- the options of torch's own backends ------------------------------------------------
+
+# Where each of torch's own backends reads its options (torch/distributed/elastic/rendezvous).
+_READ_BY = {
+    "c10d": ("c10d_rendezvous_backend.py", "dynamic_rendezvous.py"),
+    "etcd-v2": ("etcd_rendezvous_backend.py", "dynamic_rendezvous.py"),
+    "etcd": ("etcd_rendezvous.py",),
+    "static": ("static_tcp_rendezvous.py",),
+}
+_OPTION_READS = (
+    re.compile(r'params\.(?:config\.)?get(?:_as_int|_as_bool)?\(\s*"(\w+)"'),
+    re.compile(r'params\.config\["(\w+)"\]'),
+)
+_TIMEOUT_READS = re.compile(r'_get_timeout\(params, "(\w+)"\)')  # reads <name>_timeout
+
+
+def test_the_options_checked_are_those_torchs_backends_read() -> None:
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import registry
+
+    folder = Path(torch_rendezvous.__file__).parent
+    defaults = inspect.getsource(registry._register_default_handlers)
+    registered = re.findall(r'register\("([\w-]+)"', defaults)
+    assert sorted(registered) == sorted(RDZV_OPTIONS) == sorted(_READ_BY)
+    for backend, files in _READ_BY.items():
+        source = "".join((folder / name).read_text() for name in files)
+        read = {key for pattern in _OPTION_READS for key in pattern.findall(source)}
+        read |= {f"{name}_timeout" for name in _TIMEOUT_READS.findall(source)}
+        assert set(RDZV_OPTIONS[backend]) == read, backend
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_bad_options_are_refused_before_the_store_is_made() -> None:
+    port = free_port()
+    endpoint = f"127.0.0.1:{port}"
+    with pytest.raises(ValueError, match=r"^join_timeout=-5 is not a whole number of seconds"):
+        await create_rdzv_handler("c10d", endpoint, "job", 1, 2, is_host=True, join_timeout=-5)
+    with pytest.raises(ValueError, match=r"^'heartbeat' is not an option of torch's c10d"):
+        await create_rdzv_handler("c10d", endpoint, "job", 1, 2, is_host=True, heartbeat=5)
+    with pytest.raises(ValueError, match=r"^is_host='maybe' is not a boolean"):
+        await create_rdzv_handler("c10d", endpoint, "job", 1, 2, is_host="maybe")
+    with pytest.raises(ValueError, match=r"^rank=-1 is not a whole number >= 0"):
+        await create_rdzv_handler("static", endpoint, "job", 2, 2, rank=-1)
+    # No store was hosted on the port (torch's own check comes after it is up).
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+    # What torch's LaunchConfig gives every backend, and what torch reads as None or text.
+    handler = await create_rdzv_handler(
+        "c10d", endpoint, "job", 1, 1, timeout=900, join_timeout=None, is_host="yes",
+        read_timeout="20", keep_alive_max_attempt=3.0, store_type=" TCP ",
+    )  # fmt: skip
+    await Rendezvous(handler, owned=True).aclose()
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_a_backend_registered_by_the_user_gets_its_options_as_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    seen: list[dict[str, Any]] = []
+
+    class Mine(SpareNodeHandler):
+        def get_backend(self) -> str:
+            return "aioelastic-test"
+
+    def create(params: Any) -> Mine:
+        seen.append(dict(params.config))
+        return Mine()
+
+    monkeypatch.setitem(rendezvous_handler_registry._registry, "aioelastic-test", create)
+    options = {"join_timeout": -5, "timeout": "abc", "heartbeat": "x"}
+    # The same options as for c10d, which refuses them.
+    with pytest.raises(ValueError, match="join_timeout=-5"):
+        await create_rdzv_handler("c10d", "127.0.0.1:0", "job", 1, 1, **options)
+    await create_rdzv_handler("aioelastic-test", "127.0.0.1:0", "job", 1, 1, **options)
+    assert seen == [options]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,23 @@ def test_int_env_values_are_converted() -> None:
     assert ctx._spec.envs[0] == {"N": "3"}
 
 
-def test_log_dir_that_is_a_file_is_refused(tmp_path: Path) -> None:
+def test_log_dir_that_is_a_file_or_under_one_is_refused(tmp_path: Path) -> None:
     file = tmp_path / "file"
     file.write_text("x")
-    with pytest.raises(ValueError, match="is a file, not a directory"):
+    # The message of aioelastic-run --log-dir and of every API that takes a log_dir.
+    is_a_file = (
+        f"log_dir: {str(file)!r} is a file, not a directory; give the path of a directory "
+        "(made if missing)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(is_a_file)}$"):
         call(log_dir=file)
+    under_a_file = (
+        f"log_dir: {str(file / 'logs')!r} is under {str(file)!r}, a file, not a directory; "
+        "give the path of a directory (made if missing)"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(under_a_file)}$"):
+        call(log_dir=file / "logs")
+    assert file.read_text() == "x"
 
 
 def test_log_dir_with_a_file_where_a_rank_directory_goes_is_refused(tmp_path: Path) -> None:

@@ -39,6 +39,12 @@ def _endpoint_text(text: str) -> str:
     return text.strip()
 
 
+def _log_dir_text(text: str) -> str:
+    """``--log-dir``: checked by the one log directory parser, kept as text."""
+    values.log_dir(text)
+    return text
+
+
 def _signals_text(text: str) -> str:
     """``--signals-to-handle``: checked now, kept as text (exported to workers as given)."""
     values.signals(text)
@@ -59,6 +65,8 @@ class Flag:
         ours: not a torchrun flag (marked as such in ``--help``).
         refused: why a value other than the default cannot be honoured; set for the torchrun
             flags we accept only at their default.
+        also_default: values of a refused flag that mean what its default does, so they are
+            honoured too (``--logs-specs default``).
         choices: the accepted values, if limited.
         metavar: how the value is shown in ``--help``.
     """
@@ -69,6 +77,7 @@ class Flag:
     help: str
     ours: bool = False
     refused: str | None = None
+    also_default: tuple[str, ...] = ()
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
 
@@ -193,7 +202,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("log-dir"),
-        str,
+        cli_type(_log_dir_text, "DIR"),
         None,
         "Base directory for log files; each run gets its own sub-directory "
         "'<rdzv-id>_<random>' there, so it can be reused across runs.",
@@ -273,9 +282,13 @@ FLAGS: tuple[Flag, ...] = (
         _both("logs-specs"),
         str,
         None,
-        "Not supported (torch's LogsSpecs plugins).",
-        refused="torch's LogsSpecs plugins (torchrun.logs_specs entry points) are not "
-        "supported; use --log-dir, --redirects, --tee and --log-line-prefix-template",
+        "Only 'default': torch's DefaultLogsSpecs, the log layout aioelastic-run writes "
+        "anyway; other LogsSpecs plugins are refused.",
+        refused="only 'default' (torch's DefaultLogsSpecs) is supported: aioelastic-run "
+        "writes the logs itself, in DefaultLogsSpecs' layout, and cannot hand them to a "
+        "LogsSpecs plugin (torchrun.logs_specs entry point); drop --logs-specs and use "
+        "--log-dir, --redirects, --tee and --log-line-prefix-template",
+        also_default=("default",),
         metavar="NAME",
     ),
     Flag(

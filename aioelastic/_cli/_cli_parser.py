@@ -2,10 +2,10 @@
 
 `parse_args` turns argv into an `argparse.Namespace` whose values are already typed (each
 flag's text goes through its converter in `._cli_flags`), with ``PET_*`` variables as the
-defaults; no I/O, no torch. A bad value, from the command line or a ``PET_*`` variable, is
-argparse's usage error: the usage line, the message naming the flag, exit status 2.
-`usage_error` ends the same way for what is found later (combinations of flags, the launch
-API's own checks).
+defaults; no torch, and no I/O but a look at the ``--log-dir`` path. A bad value, from the
+command line or a ``PET_*`` variable, is argparse's usage error: the usage line, the
+message naming the flag, exit status 2. `usage_error` ends the same way for what is found
+later (combinations of flags, the launch API's own checks).
 """
 
 from __future__ import annotations

@@ -181,6 +181,19 @@ def config_from_args(
             f"--rdzv-backend={backend!r} needs --rdzv-endpoint HOST:PORT (the rendezvous "
             "store every node connects to)"
         )
+    # The options given, checked now for the backend that will read them (c10d for a single
+    # node, as in torchrun): torch refuses a bad one only once its store is up, as a
+    # launcher failure, and ignores a misspelt one.
+    try:
+        values.rdzv_options(backend, args.rdzv_conf)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"argument {_names('rdzv_conf')}: {e}") from None
+    read = values.RDZV_OPTIONS.get(backend)
+    if read is not None and "timeout" in args.rdzv_conf and "timeout" not in read:
+        warnings.append(
+            f"--rdzv-conf timeout={args.rdzv_conf['timeout']} is ignored by the {backend} "
+            "rendezvous backend (as in torchrun); its wait for nodes is join_timeout"
+        )
 
     redirects, tee = args.redirects, args.tee
     for name, value in (("--redirects", redirects), ("--tee", tee)):
@@ -275,7 +288,7 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         if flag.refused is None:
             continue
         value = getattr(args, flag.dest)
-        if value != flag.default:
+        if value != flag.default and value not in flag.also_default:
             raise ValueError(
                 f"{flag.names[0]}={value!r} cannot be honoured by aioelastic-run: {flag.refused}"
             )

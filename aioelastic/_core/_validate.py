@@ -179,9 +179,7 @@ def _entries(directory: Path) -> list[str]:
 def _check_log_dir(log_dir: str | os.PathLike[str] | None, nprocs: int) -> Path | None:
     if log_dir is None:
         return None
-    path = Path(log_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"log_dir={str(path)!r} is a file, not a directory; choose a directory")
+    path = values.field("log_dir", values.log_dir, log_dir)
     # One listing per existing directory, not a stat per rank and file: a fresh log_dir
     # (the usual case) costs one lookup, whatever the number of ranks.
     taken = []

@@ -10,7 +10,7 @@ exit 2) and from the API (``ValueError("master_port: <message>")``). See `field`
 
 The semantics follow torch 2.13's ``torchrun`` where it has one; where torch accepts a value
 and then ignores it (a signal name it cannot resolve only logs a warning), we refuse it.
-No I/O and no torch in this module.
+No torch in this module, and no I/O but `log_dir`'s look at the path it is given.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import re
 import signal
 import string
 from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "DEFAULT_SIGNALS_TO_HANDLE",
     "NAME_MAX",
     "PREFIX_FIELDS",
+    "RDZV_OPTIONS",
     "SHUTDOWN_TIMEOUT_ENV",
     "START_METHODS",
     "cli_type",
@@ -36,6 +38,7 @@ __all__ = [
     "exit_codes",
     "field",
     "host",
+    "log_dir",
     "module_names",
     "name",
     "nnodes",
@@ -48,6 +51,7 @@ __all__ = [
     "rank_filter",
     "rdzv_backend",
     "rdzv_conf",
+    "rdzv_options",
     "shutdown_timeout",
     "signals",
     "start_method",
@@ -67,6 +71,7 @@ NAME_MAX = 255
 _UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
 _HOST = re.compile(r"[\w.:-]+")
 _PORT = re.compile(r"[0-9]{1,5}")
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 
 
 def field(name_: str, parse: Callable[[Any], _T], value: Any) -> _T:
@@ -271,6 +276,36 @@ def host(value: object) -> str:
     return value
 
 
+def log_dir(value: object) -> Path:
+    """A log directory: a path that is a directory, or where one can be made.
+
+    The one parser here that looks at the file system (a stat per path component, up to
+    the first directory): a file where the directory or one of its parents goes would
+    otherwise be found only when the first attempt makes its log directory, as a bare
+    FileExistsError or NotADirectoryError once the rendezvous is done.
+    """
+    if not isinstance(value, (str, os.PathLike)) or not isinstance(os.fspath(value), str):
+        raise TypeError(f"{value!r} is a {type(value).__name__}, not a directory path")
+    text = os.fspath(value)
+    if not text:
+        raise ValueError("'' is empty; give the path of a directory (made if missing)")
+    path = Path(text)
+    for place in (path, *path.parents):
+        try:
+            if place.is_dir():
+                break
+            if not os.path.lexists(place):
+                continue
+            what = "a file" if place.exists() else "a symbolic link to nothing"
+        except OSError:
+            break  # cannot look (EACCES): making the directory will tell why
+        where = f"is {what}" if place == path else f"is under {str(place)!r}, {what}"
+        raise ValueError(
+            f"{text!r} {where}, not a directory; give the path of a directory (made if missing)"
+        )
+    return path
+
+
 def rdzv_backend(value: object) -> str:
     """A rendezvous backend's name as torch registers it (``static``, ``c10d``, ``etcd``...)."""
     if not isinstance(value, str):
@@ -281,28 +316,205 @@ def rdzv_backend(value: object) -> str:
     return value
 
 
-def rdzv_conf(value: object) -> dict[str, Any]:
-    """torchrun's ``--rdzv-conf``: ``KEY=VALUE,KEY=VALUE`` (or a mapping) to a dict."""
+def rdzv_conf(value: object, backend: str | None = None) -> dict[str, Any]:
+    """torchrun's ``--rdzv-conf``: ``KEY=VALUE,KEY=VALUE`` (or a mapping) to a dict.
+
+    Args:
+        value: the text, or a mapping of option names to values.
+        backend: the rendezvous backend the options are for; for one of torch's own
+            (`RDZV_OPTIONS`) each option is checked by `rdzv_options`. None, or a backend
+            registered under another name, checks only the form.
+
+    Returns:
+        The options, their values as given (torch converts them itself).
+    """
     if isinstance(value, Mapping):
         bad = [key for key in value if not isinstance(key, str) or not key]
         if bad:
             raise TypeError(f"option names must be non-empty str, got {bad[0]!r}")
-        return dict(value)
-    if not isinstance(value, str):
+        config: dict[str, Any] = dict(value)
+    elif not isinstance(value, str):
         raise TypeError(f"{value!r} is not KEY=VALUE,... or a dict")
-    config: dict[str, Any] = {}
-    if not value.strip():
-        return config
-    for item in value.split(","):
-        key, sep, text = item.partition("=")
-        key, text = key.strip(), text.strip()
-        if not key or not sep or not text:
-            raise ValueError(
-                f"{value!r}: item {item!r} is not KEY=VALUE "
-                "(e.g. join_timeout=60,last_call_timeout=5)"
-            )
-        config[key] = text
+    else:
+        config = {}
+        for item in value.split(",") if value.strip() else ():
+            key, sep, text = item.partition("=")
+            key, text = key.strip(), text.strip()
+            if not key or not sep or not text:
+                raise ValueError(
+                    f"{value!r}: item {item!r} is not KEY=VALUE "
+                    "(e.g. join_timeout=60,last_call_timeout=5)"
+                )
+            config[key] = text
+    if backend is not None:
+        rdzv_options(backend, config)
     return config
+
+
+# -- rendezvous options ---------------------------------------------------------------
+# What torch 2.13's own handlers read from their options (RendezvousParameters.config), and
+# how: with get_as_int (int(value)), get_as_bool, or as text. torch checks a value only when
+# the handler is made, after its store is up (a negative join_timeout fails there, as a
+# launcher failure), and never looks at an option it does not read: a misspelt one runs
+# with the default as if nothing was said. tests/test_rendezvous.py reads these names out
+# of torch's own source, so a torch that reads other options fails there.
+
+_Check = Callable[[str, object], None]
+"""Checks one option's value; raises ValueError/TypeError naming ``key=value`` and the fix."""
+
+
+def _whole(minimum: int | None, example: int, unit: str = "seconds") -> _Check:
+    """An option torch reads with ``int()``: a whole number, >= ``minimum`` unless None."""
+    what = f"a whole number of {unit}" if unit else "a whole number"
+    limit = "" if minimum is None else f" >= {minimum}"
+
+    def check(key: str, value: object) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(
+                f"{key}={value!r} is a {type(value).__name__}, not {what} (e.g. {key}={example})"
+            )
+        number: int | None
+        if isinstance(value, str):
+            number = int(value) if _INTEGER.fullmatch(value.strip()) else None
+        elif isinstance(value, float):
+            number = int(value) if value.is_integer() else None
+        else:
+            number = value
+        if number is None or (minimum is not None and number < minimum):
+            # Shown parsed when it is a number, so that "-5" and -5 read the same.
+            shown = repr(value) if number is None else str(number)
+            raise ValueError(f"{key}={shown} is not {what}{limit} (e.g. {key}={example})")
+
+    return check
+
+
+def _ignored_timeout(backend: str) -> _Check:
+    """``timeout`` for a backend that does not read it, but gets it from torch's LaunchConfig.
+
+    torch's ``LaunchConfig`` puts its ``rdzv_timeout`` (default 900) into the options of
+    every backend as ``timeout``, and the dynamic handlers (``c10d``, ``etcd-v2``) ignore
+    it. So it is accepted as what LaunchConfig puts there, a whole number of seconds, and
+    anything else is refused with where the wait for nodes is really set.
+    """
+    whole = _whole(None, 900)
+
+    def check(key: str, value: object) -> None:
+        try:
+            whole(key, value)
+        except (ValueError, TypeError) as e:
+            raise type(e)(
+                f"{e}; the {backend} backend ignores {key} anyway (its wait for nodes is "
+                "join_timeout): drop it"
+            ) from None
+
+    return check
+
+
+_BOOLEAN_WORDS = ("1", "true", "t", "yes", "y", "0", "false", "f", "no", "n")
+"""What torch's ``get_as_bool`` reads as a boolean (in any case)."""
+
+
+def _boolean(key: str, value: object) -> None:
+    """An option torch reads with ``get_as_bool``; None lets torch decide."""
+    if value is None or isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return
+    if isinstance(value, str) and value.lower() in _BOOLEAN_WORDS:
+        return
+    raise ValueError(f"{key}={value!r} is not a boolean (e.g. {key}=true or {key}=false)")
+
+
+def _one_of(*choices: str, fold: bool = True) -> _Check:
+    """An option torch compares with fixed words (after ``strip().lower()`` when ``fold``)."""
+
+    def check(key: str, value: object) -> None:
+        text = value.strip().lower() if fold and isinstance(value, str) else value
+        if text not in choices:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(map(repr, choices))}")
+
+    return check
+
+
+def _text(key: str, value: object) -> None:
+    """An option torch passes on as it is (a path, a key prefix): nothing to check."""
+    del key, value
+
+
+def _none_or(check: _Check) -> _Check:
+    """``check``, where torch takes None as "the default" (its ``_get_timeout``)."""
+
+    def none_or_check(key: str, value: object) -> None:
+        if value is not None:
+            check(key, value)
+
+    return none_or_check
+
+
+_DYNAMIC_OPTIONS: dict[str, _Check] = {
+    # torch's dynamic_rendezvous.create_handler: RendezvousTimeout refuses <= 0.
+    "join_timeout": _none_or(_whole(1, 600)),
+    "last_call_timeout": _none_or(_whole(1, 30)),
+    "close_timeout": _none_or(_whole(1, 30)),
+    "heartbeat_timeout": _none_or(_whole(1, 5)),
+    # The keep-alive period and the missed beats after which a node is dead; 0 would make
+    # every node dead at once.
+    "keep_alive_interval": _whole(1, 5),
+    "keep_alive_max_attempt": _whole(1, 3, ""),
+    "read_timeout": _whole(1, 60),
+}
+
+RDZV_OPTIONS: Mapping[str, Mapping[str, _Check]] = {
+    "c10d": {
+        **_DYNAMIC_OPTIONS,
+        "store_type": _one_of("tcp", "file"),
+        "is_host": _boolean,
+    },
+    "etcd-v2": {
+        **_DYNAMIC_OPTIONS,
+        "protocol": _one_of("http", "https"),
+        "ssl_cert": _text,
+        "ssl_cert_key": _text,
+        "ca_cert": _text,
+    },
+    "etcd": {
+        "timeout": _whole(1, 600),
+        "last_call_timeout": _whole(0, 30),
+        "etcd_prefix": _text,
+        "protocol": _one_of("http", "https", fold=False),
+        "cert": _text,
+        "key": _text,
+        "cacert": _text,
+    },
+    "static": {
+        "rank": _whole(0, 0, ""),
+        "timeout": _whole(1, 900),
+    },
+}
+"""The options each of torch 2.13's own rendezvous backends reads, with their checks."""
+
+
+def rdzv_options(backend: str, options: Mapping[str, object]) -> None:
+    """Check ``options`` for one of torch's own backends; any other backend's are its own.
+
+    A backend registered under another name (torch's handler registry) gets every option
+    as given: what it reads is its own business.
+
+    Raises:
+        ValueError, TypeError: an option the backend does not read (the message lists
+            those it does), or a value it would refuse or misread, named with its option.
+    """
+    known = RDZV_OPTIONS.get(backend)
+    if known is None:
+        return
+    for key, value in options.items():
+        check = known.get(key)
+        if check is None and key == "timeout":
+            check = _ignored_timeout(backend)
+        if check is None:
+            raise ValueError(
+                f"{key!r} is not an option of torch's {backend} rendezvous backend, which "
+                f"reads {', '.join(sorted(known))}: fix the name or drop it"
+            )
+        check(key, value)
 
 
 # -- names ---------------------------------------------------------------------------

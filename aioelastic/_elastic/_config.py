@@ -30,7 +30,8 @@ class AgentConfig:
 
     Attributes:
         start_method: ``spawn``, ``fork`` or ``forkserver`` for function workers.
-        log_dir: the log root given, or None for a fresh temporary one.
+        log_dir: the log root given, or None for a fresh temporary one; a path that is
+            a file, or under one, is refused.
         redirects: streams written to files, per local rank.
         tee: streams also shown on the console, per local rank.
         shutdown_timeout: seconds between the stop signal and SIGKILL.
@@ -65,6 +66,16 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
+
+    def __post_init__(self) -> None:
+        # log_dir is checked here rather than in build: elastic_launch sets it per run with
+        # dataclasses.replace. A look at the path, nothing made: a file where the log root
+        # goes is refused before the rendezvous, with the message aioelastic-run's
+        # --log-dir and start_processes give, not by mkdir once workers are due.
+        if self.log_dir is not None:
+            object.__setattr__(
+                self, "log_dir", values.field("log_dir", values.log_dir, self.log_dir)
+            )
 
     @classmethod
     def build(
@@ -111,7 +122,8 @@ class AgentConfig:
             signal_text = env.get(SIGNALS_ENV, values.DEFAULT_SIGNALS_TO_HANDLE)
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
-            log_dir=None if log_dir is None else Path(log_dir),
+            # Made a Path (and checked) by __post_init__.
+            log_dir=log_dir,  # type: ignore[arg-type]
             redirects=MappingProxyType(
                 values.field("redirects", lambda v: to_map(v, nprocs), redirects)
             ),

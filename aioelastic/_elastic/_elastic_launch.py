@@ -234,8 +234,14 @@ class LaunchConfig:
                     f"LaunchConfig.{name}={getattr(self, name)!r} is not supported by "
                     f"aioelastic{'; ' + hint if hint else ''}"
                 )
+        values.field("rdzv_backend", values.rdzv_backend, self.rdzv_backend)
         # Copied, not updated in place: the caller's dict may be shared between configs.
-        self.rdzv_configs = values.field("rdzv_configs", values.rdzv_conf, self.rdzv_configs)
+        # Checked against the backend's options now, not when the launch makes a handler.
+        self.rdzv_configs = values.field(
+            "rdzv_configs",
+            lambda v: values.rdzv_conf(v, self.rdzv_backend),
+            self.rdzv_configs,
+        )
         if self.rdzv_timeout != -1:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
@@ -244,7 +250,6 @@ class LaunchConfig:
             "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
         )
         values.field("role", values.name, self.role)
-        values.field("rdzv_backend", values.rdzv_backend, self.rdzv_backend)
         if self.local_addr is not None:
             values.field("local_addr", values.host, self.local_addr)
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
@@ -378,6 +383,9 @@ async def launch_agent(
 ) -> dict[int, Any]:
     """torch's ``launch_agent``: what `elastic_launch` runs. See `elastic_launch`."""
     require_asyncio("elastic_launch")
+    if config.log_dir is not None:
+        # Before the rendezvous: peers would otherwise meet a node that then fails.
+        values.field("log_dir", values.log_dir, config.log_dir)
     derived = config._derived()
     endpoint = config.rdzv_endpoint.strip()
     master_addr, master_port = derived.store or (None, None)

@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._core import _values as values
 from ._rdzv_thread import on_daemon_thread
 
 if TYPE_CHECKING:
@@ -58,15 +59,21 @@ async def create_rdzv_handler(
         local_addr: this node's address as peers should see it (default: its FQDN).
         **config: backend options, torch's ``--rdzv-conf``: for ``c10d`` e.g.
             ``join_timeout``, ``last_call_timeout``, ``close_timeout``,
-            ``keep_alive_interval``, ``keep_alive_max_attempt``, ``read_timeout``,
-            ``is_host``; for ``static`` ``rank`` (the node rank) and ``timeout``.
+            ``heartbeat_timeout``, ``keep_alive_interval``, ``keep_alive_max_attempt``,
+            ``read_timeout``, ``is_host``, ``store_type``; for ``static`` ``rank`` (the node
+            rank) and ``timeout``. For torch's own backends (``c10d``, ``etcd-v2``,
+            ``etcd``, ``static``) an option the backend does not read, or a value it would
+            refuse, is refused here (``timeout``, which torch's ``LaunchConfig`` gives every
+            backend, is accepted as a whole number of seconds); a backend registered under
+            another name gets them all as given.
 
     Returns:
         torch's ``RendezvousHandler``, ready for ``WorkerSpec(rdzv_handler=...)``.
 
     Raises:
-        TypeError, ValueError: bad arguments (before any thread starts), or torch's own
-            ``ValueError`` for a backend it does not know or options it rejects.
+        TypeError, ValueError: bad arguments or options (before any thread starts, with
+            the same message as ``aioelastic-run --rdzv-conf``), or torch's own
+            ``ValueError`` for a backend it does not know.
         RendezvousConnectionError: torch could not reach or host the store.
     """
     if not isinstance(backend, str) or not backend:
@@ -76,6 +83,7 @@ async def create_rdzv_handler(
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     _validate_nodes(min_nodes, max_nodes)
+    values.rdzv_options(backend, config)
 
     def create() -> RendezvousHandler:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
