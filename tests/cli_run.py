@@ -27,12 +27,16 @@ REPO = Path(__file__).resolve().parent.parent
 class Launcher:
     """A running ``python -m aioelastic.run``, its output collected line by line."""
 
-    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, argv: Sequence[str], env: dict[str, str] | None = None, *, new_session: bool = False
+    ) -> None:
         self.argv = list(argv)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "aioelastic.run", *argv],
             cwd=REPO,
             env=env,
+            # A session of its own: a node of several, whose signals reach no other node.
+            start_new_session=new_session,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -500,6 +500,8 @@ class ProcessFailure:
             ``"error file unreadable: <why>"`` (followed by the stderr tail, if any).
         timestamp: when it failed, float seconds since the epoch (sub-second resolution).
         error_file_data: the parsed error file, ``{}`` when there is none.
+        host: the host the worker ran on, when that is not the host reporting it (a
+            failure on another node, told through the rendezvous); ``""`` otherwise.
     """
 
     local_rank: int
@@ -509,6 +511,7 @@ class ProcessFailure:
     message: str = ""
     timestamp: float = 0.0
     error_file_data: dict[str, Any] = field(default_factory=dict)
+    host: str = ""
 
     def __post_init__(self) -> None:
         if self.message or self.timestamp or self.error_file_data:
@@ -722,7 +725,7 @@ class ChildFailedError(Exception):
             [
                 f"[{idx}]:",
                 f"  time      : {failure.timestamp_isoformat()}",
-                f"  host      : {self.host}",
+                f"  host      : {failure.host or self.host}",
                 f"  rank      : {rank} (local_rank: {failure.local_rank})",
                 f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal_part}",
                 f"  error_file: {failure.error_file}",

@@ -52,6 +52,7 @@ from ._result_pipe import ResultReceiver
 from ._results import RunProcsResult
 from ._runtime import runtime
 from ._std import Std
+from ._subreaper import lineage_env
 from ._teardown import CHILDREN_KILL_TIMEOUT, stop_workers
 from ._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
 from ._to_the_end import to_the_end
@@ -384,9 +385,11 @@ class PContext:
             # it over the one copy of ``os.environ`` sent per batch (see BinaryLauncher).
             env = {**spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
             env.update(self._hangs.worker_env(rank, python=_runs_stack_hook(spec.args[rank])))
+            env.update(lineage_env(collections.ChainMap(env, os.environ)))
             return _Prepared(env, error_file, None)
         env = {**os.environ, **spec.envs[rank], "TORCHELASTIC_ERROR_FILE": error_file}
         env.update(self._hangs.worker_env(rank))
+        env.update(lineage_env(env))
         assert callable(spec.entrypoint)
         call = FunctionCall(spec.entrypoint, spec.args[rank], env, error_file)
         if spec.start_method == "fork":
@@ -949,6 +952,19 @@ class PContext:
         if self._failed():
             await self._stopped.wait()
         return self._result()
+
+    async def first_failures(self) -> dict[int, ProcessFailure]:
+        """Wait until the group's outcome is known; the failures settled then, by local rank.
+
+        Returns as soon as the first failure is reported — the teardown of the other
+        workers has only begun — or ``{}`` once every worker succeeded or the group was
+        closed. For telling others at once (the elastic agent tells the other nodes);
+        :meth:`wait` gives the final result, after the teardown.
+        """
+        if not self._entered:
+            raise RuntimeError("first_failures() needs the workers started: use 'async with'")
+        await self._done.wait()
+        return {w.local_rank: w.failure for w in self._ranked() if w.failure is not None}
 
     def _result(self) -> RunProcsResult:
         workers = self._ranked()

@@ -60,7 +60,7 @@ from ._agent_types import (
     WorkerState,
     substitute_local_rank,
 )
-from ._agent_watch import MembershipChange, watch_attempt
+from ._agent_watch import MembershipChange, PeerEnded, Watched, watch_attempt
 from ._config import AgentConfig
 from ._event_hub import EventHub
 from ._events import (
@@ -76,6 +76,7 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
+from ._job_channel import AttemptEnd, EndReason, JobChannel, end_of_failure
 from ._metrics import observed
 from ._rdzv_node import LocalRendezvous, NodeRendezvous, Rendezvous
 
@@ -193,6 +194,7 @@ class LocalElasticAgent:
         self._output = OutputHub()
         self._log_root: Path | None = None
         self._ctx: PContext | None = None
+        self._channel: JobChannel | None = None
         self._signal_scope: SignalScope | None = None
         self._started = False
         self._remaining_restarts = spec.max_restarts
@@ -354,7 +356,19 @@ class LocalElasticAgent:
                 group.state = WorkerState.SUCCEEDED
                 self._emit(RunSucceeded, global_ranks=())
                 return RunResult(WorkerState.SUCCEEDED)
-            outcome = await self._run_attempt(rdzv)
+            channel = self._channel
+            try:
+                watched = await self._run_attempt(rdzv)
+                outcome = watched.outcome
+                failed = None
+                if isinstance(outcome, RunProcsResult | PeerEnded) and (
+                    isinstance(outcome, PeerEnded) or outcome.is_failed()
+                ):
+                    failed = await self._settle_attempt(rdzv, watched, channel)
+            finally:
+                self._channel = None
+                if channel is not None:
+                    channel.close()
             if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
                 group.state = WorkerState.SUCCEEDED
                 await rdzv.exit_barrier(self._config.exit_barrier_timeout)
@@ -367,23 +381,13 @@ class LocalElasticAgent:
             if isinstance(outcome, MembershipChange):
                 reason = StopReason.MEMBERSHIP_CHANGE
             else:
-                reason = StopReason.WORKER_FAILED
-                failures = {group.workers[lr].global_rank: f for lr, f in outcome.failures.items()}
-                fatal = [f for f in failures.values() if f.exitcode in spec.no_retry_exit_codes]
-                if fatal or self._remaining_restarts == 0:
-                    group.state = WorkerState.FAILED
-                    why = (
-                        FailureReason.NO_RETRY_EXIT_CODE
-                        if fatal
-                        else FailureReason.RESTARTS_EXHAUSTED
-                    )
-                    detail = (
-                        f"exit code {fatal[0].exitcode} is in no_retry_exit_codes"
-                        if fatal
-                        else f"max_restarts={spec.max_restarts} used up"
-                    )
-                    self._emit(RunFailed, reason=why, failures=failures, detail=detail)
-                    return RunResult(WorkerState.FAILED, failures=failures)
+                if failed is not None:
+                    return failed
+                reason = (
+                    StopReason.PEER_ENDED
+                    if isinstance(outcome, PeerEnded)
+                    else StopReason.WORKER_FAILED
+                )
                 self._remaining_restarts -= 1
                 self._restart_count += 1
                 if spec.restart_backoff is not None:
@@ -398,6 +402,58 @@ class LocalElasticAgent:
             if delay > 0:
                 await anyio.sleep(delay)
 
+    async def _settle_attempt(
+        self, rdzv: NodeRendezvous, watched: Watched, channel: JobChannel | None
+    ) -> RunResult | None:
+        """After a failed attempt: the run's failed result, or ``None`` to restart.
+
+        Every node decides alike: the job's restart count is the same on all of them, and
+        an end that is final anywhere (an exit code never retried, the store lost) is
+        final everywhere.
+        """
+        spec = self._spec
+        group = self._group
+        outcome = watched.outcome
+        failures: dict[int, ProcessFailure] = {}
+        fatal: list[ProcessFailure] = []
+        if isinstance(outcome, RunProcsResult):
+            failures = {group.workers[lr].global_rank: f for lr, f in outcome.failures.items()}
+            fatal = [f for f in failures.values() if f.exitcode in spec.no_retry_exit_codes]
+            cause = watched.cause
+        else:
+            assert isinstance(outcome, PeerEnded)
+            cause = outcome.cause
+        elsewhere = cause is not None and (
+            cause.node != group.group_rank or cause.reason != EndReason.WORKER_FAILED
+        )
+        if cause is not None:
+            rdzv.attempt_ended(cause)
+            if elsewhere:
+                # Another node's end is the root cause: the report leads with it.
+                failures[cause.rank if cause.rank is not None else -1] = cause.as_failure()
+        if not (fatal or (cause is not None and cause.final) or self._remaining_restarts == 0):
+            return None
+        group.state = WorkerState.FAILED
+        if channel is not None and cause is not None:
+            # This node leaves the job: not before the others know why (it may host
+            # the store they read it from).
+            await channel.linger(cause)
+        if fatal:
+            why = FailureReason.NO_RETRY_EXIT_CODE
+            detail = f"exit code {fatal[0].exitcode} is in no_retry_exit_codes"
+        elif cause is not None and cause.reason == EndReason.STORE_LOST:
+            why, detail = FailureReason.STORE_LOST, cause.describe()
+        elif self._remaining_restarts == 0:
+            why = FailureReason.RESTARTS_EXHAUSTED
+            detail = f"max_restarts={spec.max_restarts} used up"
+            if cause is not None and elsewhere:
+                detail += f"; last: {cause.describe()}"
+        else:
+            assert cause is not None
+            why, detail = FailureReason.PEER_FAILED, cause.describe()
+        self._emit(RunFailed, reason=why, failures=failures, detail=detail)
+        return RunResult(WorkerState.FAILED, failures=failures)
+
     async def _rendezvous(self, rdzv: NodeRendezvous) -> bool:
         """Join the next round and take its ranks; False when this node is not needed."""
         spec = self._spec
@@ -411,6 +467,12 @@ class LocalElasticAgent:
         )
         if outcome is None:
             return False
+        if outcome.restart_count is not None:
+            # The job's count, the same on every node: a node that keeps failing cannot
+            # give the job more attempts than max_restarts (torch counts per node).
+            self._restart_count = outcome.restart_count
+            self._remaining_restarts = max(0, spec.max_restarts - outcome.restart_count)
+        self._channel = outcome.channel
         group.store = outcome.store
         group.group_rank = outcome.group_rank
         group.group_world_size = outcome.group_world_size
@@ -437,10 +499,11 @@ class LocalElasticAgent:
         )
         return True
 
-    async def _run_attempt(self, rdzv: NodeRendezvous) -> RunProcsResult | MembershipChange:
+    async def _run_attempt(self, rdzv: NodeRendezvous) -> Watched:
         spec = self._spec
         group = self._group
         assert self._log_root is not None
+        channel = self._channel
         envs = {
             w.local_rank: worker_env(
                 group,
@@ -477,6 +540,8 @@ class LocalElasticAgent:
         )
         self._ctx = ctx
         try:
+            if channel is not None:
+                await channel.open()
             async with ctx:
                 for lr, pid in ctx.pids().items():
                     group.workers[lr].id = pid
@@ -486,20 +551,36 @@ class LocalElasticAgent:
                     pids={group.workers[lr].global_rank: p for lr, p in ctx.pids().items()},
                 )
                 try:
-                    outcome = await watch_attempt(ctx, rdzv, spec.monitor_interval)
+                    watched = await watch_attempt(
+                        ctx, rdzv, spec.monitor_interval, channel, self._end_of
+                    )
                 except BaseException as e:
-                    self._emit(GroupStopping, **self._interruption(e))
+                    interruption = self._interruption(e)
+                    self._emit(GroupStopping, **interruption)
+                    end = None
+                    if channel is not None:
+                        with anyio.CancelScope(shield=True):
+                            end = await channel.end(self._end_of_interruption(interruption), 2.0)
                     scope = self._signal_scope
                     if scope is not None and scope.first is not None:
                         # As torchrun: the workers get the signal the launcher received
                         # (Ctrl-C arrives as SIGINT, a checkpointing SIGUSR1 as SIGUSR1).
                         await ctx.close(death_sig=scope.first)
+                    if channel is not None and end is not None:
+                        await ctx.close()
+                        with anyio.CancelScope(shield=True):
+                            await channel.linger(end, 2.0)
                     raise
+                outcome = watched.outcome
                 if isinstance(outcome, MembershipChange):
                     self._emit(
                         GroupStopping,
                         reason=StopReason.MEMBERSHIP_CHANGE,
                         detail=f"{outcome.nodes_waiting} node(s) waiting to join",
+                    )
+                elif isinstance(outcome, PeerEnded):
+                    self._emit(
+                        GroupStopping, reason=StopReason.PEER_ENDED, detail=outcome.cause.describe()
                     )
                 elif outcome.is_failed():
                     for lr, failure in sorted(
@@ -507,14 +588,55 @@ class LocalElasticAgent:
                     ):
                         self._emit_failure(lr, failure)
                     self._emit(GroupStopping, reason=StopReason.WORKER_FAILED)
+                elif channel is not None:
+                    await channel.finish()
                 await ctx.close()
-                if isinstance(outcome, MembershipChange) or outcome.is_failed():
+                if not isinstance(outcome, RunProcsResult) or outcome.is_failed():
                     group.state = WorkerState.STOPPED
-                return outcome
+                if channel is not None and watched.cause is not None:
+                    # Read again once stopped: another node's end that came after this
+                    # one's may be final (an exit code it never retries).
+                    watched.cause = await channel.cause(watched.cause)
+                return watched
         finally:
             self._ctx = None
             for worker in group.workers:
                 worker.id = None
+
+    def _end_of(self, failures: Mapping[int, ProcessFailure]) -> AttemptEnd:
+        """What the other nodes are told when this node's workers failed (by local rank)."""
+        group = self._group
+        assert self._channel is not None
+        local_rank, failure = min(failures.items(), key=lambda i: (i[1].timestamp, i[0]))
+        final = (
+            any(f.exitcode in self._spec.no_retry_exit_codes for f in failures.values())
+            or self._remaining_restarts == 0
+        )
+        return end_of_failure(
+            group.group_rank or 0,
+            self._channel.host,
+            group.workers[local_rank].global_rank,
+            local_rank,
+            failure,
+            final=final,
+        )
+
+    def _end_of_interruption(self, interruption: Mapping[str, Any]) -> AttemptEnd:
+        """What the other nodes are told when this node stops for a signal or an error."""
+        reason = interruption["reason"]
+        return AttemptEnd(
+            node=self._group.group_rank or 0,
+            host=self._channel.host if self._channel is not None else "",
+            reason={
+                StopReason.SIGNAL: EndReason.SIGNAL,
+                StopReason.CANCELLED: EndReason.CANCELLED,
+            }.get(reason, EndReason.ERROR),
+            detail=interruption.get("detail", ""),
+            exitcode=-signal.Signals[interruption["detail"]].value
+            if reason == StopReason.SIGNAL
+            else 1,
+            timestamp=time.time(),
+        )
 
     # -- helpers -----------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ class StopReason(str, enum.Enum):
     """``agent.run()`` was cancelled by its caller."""
     ERROR = "error"
     """The agent itself failed (e.g. a rendezvous error)."""
+    PEER_ENDED = "peer_ended"
+    """Another node ended the attempt (its worker failed, it was stopped, it vanished);
+    ``detail`` names the node and the root cause. Uses a restart, like a failure here."""
 
 
 class FailureReason(str, enum.Enum):
@@ -86,6 +89,11 @@ class FailureReason(str, enum.Enum):
     SIGNAL = "signal"
     CANCELLED = "cancelled"
     ERROR = "error"
+    PEER_FAILED = "peer_failed"
+    """Another node ended the job: an exit code never retried there, or its restarts ran
+    out; ``detail`` names the node and the root cause."""
+    STORE_LOST = "store_lost"
+    """The rendezvous store stopped answering (``c10d``'s single point of failure)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,8 +199,8 @@ class GroupRestarting(AgentEvent):
     ``attempt`` and ``restart_count`` are the new attempt's.
 
     Attributes:
-        reason: `StopReason.WORKER_FAILED` (uses a restart) or
-            `StopReason.MEMBERSHIP_CHANGE` (does not).
+        reason: `StopReason.WORKER_FAILED` or `StopReason.PEER_ENDED` (each uses one of
+            the job's restarts) or `StopReason.MEMBERSHIP_CHANGE` (does not).
         delay: the backoff the agent waits before joining, in seconds (0 without backoff,
             and always 0 for a membership change: peers are waiting).
         restarts_left: failure restarts still allowed after this one.

@@ -83,7 +83,9 @@ class Narrator:
             self._since = event.timestamp
             why = event.reason.value.replace("_", " ")
             detail = f" ({event.detail})" if event.detail else ""
-            return [(logging.INFO, f"stopping the workers: {why}{detail}")]
+            # Another node's end is news here: nothing local announced it.
+            level = logging.WARNING if event.reason is StopReason.PEER_ENDED else logging.INFO
+            return [(level, f"stopping the workers: {why}{detail}")]
         if isinstance(event, GroupRestarting):
             self._since = event.timestamp
             return [self._restarting(event)]
@@ -138,6 +140,10 @@ class Narrator:
             decision = f"Worker group FAILED. 0/{total} attempts left; giving up"
         elif event.reason is FailureReason.NO_RETRY_EXIT_CODE:
             decision = f"Worker group FAILED; not retried: {event.detail}"
+        elif event.reason is FailureReason.PEER_FAILED:
+            decision = f"Worker group FAILED; another node ended the job: {event.detail}"
+        elif event.reason is FailureReason.STORE_LOST:
+            decision = f"Worker group FAILED: {event.detail}"
         else:
             # Not a verdict on the workers: one line says what ended the run.
             _, summary = self._summary(event, "")
@@ -151,7 +157,8 @@ class Narrator:
     def _summary(self, event: AgentEvent, outcome: str) -> tuple[int, str]:
         took = event.timestamp - (self._started_at or event.timestamp)
         restarts = f" after {event.restart_count} restart(s)" if event.restart_count else ""
-        changes = event.attempt - event.restart_count
+        # The restart count is the job's: a node that joined late ran fewer attempts.
+        changes = max(0, event.attempt - event.restart_count)
         membership = f", {changes} membership change(s)" if changes else ""
         if isinstance(event, RunFailed):
             level = logging.ERROR

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import anyio
 
+from ._job_channel import AttemptEnd, JobChannel
 from ._rdzv_handlers import connection_errors_explained
 from ._rdzv_store import Store, WorkerStoreHost, free_port
 from ._rdzv_thread import SerialThread, on_daemon_thread
@@ -47,6 +48,8 @@ logger = logging.getLogger("aioelastic.rendezvous")
 _ROLE_INFO_PREFIX = "torchelastic/role_info/"
 _ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
 _TERMINAL_STATE_SYNC_ID = "torchelastic/agent/terminal_state"
+# Ours: the job's restart count for the round, as node rank 0 read it.
+_RESTART_COUNT_KEY = "aioelastic/restart_count"
 
 CLOSE_TIMEOUT = 30.0
 """How long `Rendezvous.aclose` waits for torch's ``shutdown()`` (torch's close timeout)."""
@@ -66,6 +69,11 @@ class RendezvousOutcome:
         world_size: the number of workers across all nodes.
         base_role_rank: the role rank of this node's local rank 0.
         role_world_size: the number of workers with this role across all nodes.
+        restart_count: the job's restarts so far, the same on every node of the round
+            (``TORCHELASTIC_RESTART_COUNT``); ``None`` when the agent counts them itself
+            (one node, no store).
+        channel: how this node hears from and tells the other nodes of the round
+            (`JobChannel`), ``None`` without a store; the agent closes it.
     """
 
     store: Store
@@ -77,6 +85,8 @@ class RendezvousOutcome:
     world_size: int
     base_role_rank: int
     role_world_size: int
+    restart_count: int | None = None
+    channel: JobChannel | None = None
 
 
 class NodeRendezvous(Protocol):
@@ -101,6 +111,8 @@ class NodeRendezvous(Protocol):
     ) -> RendezvousOutcome | None: ...
 
     async def num_nodes_waiting(self) -> int: ...
+
+    def attempt_ended(self, end: AttemptEnd) -> None: ...
 
     async def exit_barrier(self, timeout: float) -> bool: ...
 
@@ -169,6 +181,9 @@ class LocalRendezvous:
         """Always 0."""
         return 0
 
+    def attempt_ended(self, end: AttemptEnd) -> None:
+        """Nothing to count: the agent counts its own restarts."""
+
     async def exit_barrier(self, timeout: float) -> bool:
         """Nobody to wait for."""
         return True
@@ -202,7 +217,12 @@ class Rendezvous:
         self.backend: str = handler.get_backend()
         self._thread = SerialThread(f"aioelastic-rdzv-{self.run_id}")
         self._last: RendezvousOutcome | None = None
+        self._local_addr = local_addr
         self._worker_store = WorkerStoreHost(local_addr)
+        # static: every node counts the ends of the attempts it took part in (the same
+        # ends on every node, for membership never changes there).
+        self._restarts = 0
+        self._counts_itself = True
 
     @property
     def use_agent_store(self) -> bool:
@@ -263,6 +283,24 @@ class Rendezvous:
             base, world, role_base, role_world = _assign_ranks(
                 info.store, info.rank, info.world_size, role, local_world_size
             )
+            host = self._local_addr or socket.getfqdn()
+            restarts = None
+            if self.membership_can_change:
+                restarts = _job_restarts(self.handler, info.store, self.run_id)
+                restart_count = _agree_restart_count(
+                    info.store, info.rank, restarts, own=self._restarts
+                )
+            else:
+                restart_count = self._restarts
+            self._counts_itself = restarts is None
+            channel = JobChannel(
+                info.store,
+                f"aioelastic/attempt{restart_count}",
+                node=info.rank,
+                nodes=info.world_size,
+                host=host,
+                restarts=restarts,
+            )
             return RendezvousOutcome(
                 store=info.store,
                 group_rank=info.rank,
@@ -273,6 +311,8 @@ class Rendezvous:
                 world_size=world,
                 base_role_rank=role_base,
                 role_world_size=role_world,
+                restart_count=restart_count,
+                channel=channel,
             )
 
         outcome = await self._thread.call(join)
@@ -288,6 +328,11 @@ class Rendezvous:
                 return self.handler.num_nodes_waiting()
 
         return await self._thread.call(waiting)
+
+    def attempt_ended(self, end: AttemptEnd) -> None:
+        """Count ``end`` where the nodes count restarts themselves (``static``, custom)."""
+        if end.counts and self._counts_itself:
+            self._restarts += 1
 
     async def exit_barrier(self, timeout: float) -> bool:
         """Wait until every node of the last round finished its workers (torch's barrier).
@@ -349,6 +394,44 @@ class Rendezvous:
             self._last = None
             self._worker_store.close()
             self._thread.close()
+
+
+def _job_restarts(
+    handler: RendezvousHandler, store: Store, run_id: str
+) -> tuple[Store, str] | None:
+    """Where the job counts its restarts: a store every round shares, and the key.
+
+    A round's store is torch's ``PrefixStore`` over the job's store (``c10d``, ``etcd``);
+    torch's ``etcd-v2`` handler gives an etcd store per round, so the count goes in an
+    etcd directory of the run's own. ``None`` for a handler with neither (a custom one).
+    """
+    underlying = getattr(store, "underlying_store", None)
+    if underlying is not None:
+        return underlying, f"aioelastic/{run_id}/restarts"
+    impl = getattr(handler, "_rdzv_impl", None)
+    if impl is not None and callable(getattr(impl, "setup_kv_store", None)):
+        from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+
+        path = impl.get_path("/aioelastic")
+        impl.create_path_if_not_exists(path)
+        return EtcdStore(etcd_client=impl.client, etcd_store_prefix=path), "restarts"
+    return None  # node rank 0's own count is the job's
+
+
+def _agree_restart_count(
+    store: Store, group_rank: int, restarts: tuple[Store, str] | None, *, own: int
+) -> int:
+    """The job's restart count, as node rank 0 reads it, for every node of the round.
+
+    Read once, by one node, after every node joined: every end of the previous attempt
+    was counted before its node joined (see `JobChannel`), and no worker of this round
+    runs yet, so no node can count an end of this round before another reads.
+    """
+    if group_rank == 0:
+        count = restarts[0].add(restarts[1], 0) if restarts is not None else own
+        store.set(_RESTART_COUNT_KEY, str(count))
+        return int(count)
+    return int(store.get(_RESTART_COUNT_KEY))
 
 
 def _assign_ranks(

@@ -1,0 +1,421 @@
+"""What the nodes of one attempt tell each other: who ended it and why, and who is alive.
+
+torch's agents learn about other nodes only through their own workers. With gloo a rank
+sees a dead peer at once and fails by itself; with NCCL the surviving ranks block in the
+collective until its timeout (10-30 minutes), and a node whose launcher was SIGKILLed
+tells nobody at all. So every agent of a multi-node job keeps a channel open through the
+store the rendezvous already gives every node (no new server), under keys of ours scoped
+to the round and the attempt:
+
+* **ending the attempt**: the node that ends it first — a worker failed, a stall or timer
+  fired, the launcher was signalled, restarts ran out — takes ticket 1 of a counter and
+  writes why (`AttemptEnd`) under it; later enders take later tickets. Every node reads the
+  counter once a `BEAT`; seeing it move, it stops its workers and reports ticket 1, the
+  root cause, whatever ended its own workers afterwards.
+* **being alive**: each node bumps a counter of its own once a beat and watches the next
+  node in rank order that has not finished (a ring: one read per node per beat whatever
+  the number of nodes). A counter that stays still for `DEAD_AFTER` seconds means that
+  node vanished (its launcher and workers SIGKILLed, its machine lost): the watcher ends
+  the attempt on its behalf.
+* **finishing**: a node whose workers all succeeded marks its counter done, so that its
+  silence in the exit barrier is not taken for death.
+
+Cost, per node and beat: three requests of a few bytes to the store (bump, read the
+neighbour, read the ticket counter) — 6 requests a second at the default beat, so 6,000 a
+second for a 1,000-node job, which a TCPStore or etcd serves easily. Detection: a peer's end
+within one beat plus a round trip; a vanished node within `DEAD_AFTER` plus a beat.
+
+The store calls block, so they run on a daemon thread of the channel's own (not the
+rendezvous handler's: a join or a poll stuck on a dead store must not delay a beat), and
+each beat is bounded: a store that answers nothing for `DEAD_AFTER` seconds ends the
+attempt as lost (for ``c10d`` the store lives in the first node's launcher, a single point
+of failure that etcd does not have).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import TypeVar
+
+import anyio
+
+from .._core._errors import NOT_AVAILABLE, ProcessFailure
+from ._rdzv_store import Store
+from ._rdzv_thread import SerialThread
+
+__all__ = ["BEAT", "DEAD_AFTER", "AttemptEnd", "EndReason", "JobChannel", "end_of_failure"]
+
+logger = logging.getLogger("aioelastic.agent")
+
+BEAT = 0.5
+"""Seconds between two beats: a bump of this node's counter and a look at the others."""
+
+DEAD_AFTER = 5.0
+"""Seconds a watched node's counter may stay still (or the store silent) before it is lost."""
+
+_T = TypeVar("_T")
+
+# A counter past this is a node that finished (its workers succeeded): never dead.
+_DONE = 1 << 40
+# Quoted in full by every node's report: a whole traceback is in the node's own log.
+_MESSAGE_LIMIT = 4096
+
+
+class EndReason:
+    """Why a node ended an attempt (the values of `AttemptEnd.reason`)."""
+
+    WORKER_FAILED = "worker_failed"
+    SIGNAL = "signal"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+    VANISHED = "vanished"
+    STORE_LOST = "store_lost"
+
+
+@dataclass(frozen=True)
+class AttemptEnd:
+    """Why one node ended the job's attempt, as every node is told.
+
+    Attributes:
+        node: the group rank of the node the end is about.
+        host: that node's address as its peers know it.
+        reason: one of `EndReason`.
+        detail: what happened, one line (``"rank 5 exited 7 (ValueError: bad lr)"``).
+        final: the job ends: no node joins another round (an exit code that is never
+            retried, restarts used up, the store lost).
+        counts: the end uses one of the job's restarts.
+        rank: the global rank of the worker that failed, if one did.
+        local_rank: its local rank on that node (-1 when none failed).
+        pid: its process id.
+        exitcode: its exit status (negative: killed by that signal).
+        timestamp: when it happened, seconds since the epoch.
+        message: the failed worker's report (its error or last stderr lines), bounded.
+    """
+
+    node: int
+    host: str
+    reason: str
+    detail: str
+    final: bool = False
+    counts: bool = True
+    rank: int | None = None
+    local_rank: int = -1
+    pid: int = -1
+    exitcode: int = 1
+    timestamp: float = 0.0
+    message: str = ""
+
+    def describe(self) -> str:
+        """``"node 2 (host h) failed: rank 5 exited 7 ..."``, for reports and logs."""
+        verb = {
+            EndReason.WORKER_FAILED: "failed:",
+            EndReason.SIGNAL: "was stopped by",
+            EndReason.CANCELLED: "was cancelled:",
+            EndReason.ERROR: "failed:",
+            EndReason.VANISHED: "vanished:",
+            EndReason.STORE_LOST: "lost the rendezvous store:",
+        }.get(self.reason, self.reason)
+        return f"node {self.node} ({self.host}) {verb} {self.detail}".rstrip()
+
+    def as_failure(self) -> ProcessFailure:
+        """This end as a failure for a report on another node (``"stopped: node 2 ..."``)."""
+        return ProcessFailure(
+            local_rank=self.local_rank,
+            pid=self.pid,
+            exitcode=self.exitcode,
+            error_file=NOT_AVAILABLE,
+            message="\n".join(filter(None, [f"stopped: {self.describe()}", self.message])),
+            timestamp=self.timestamp or time.time(),
+            host=self.host,
+        )
+
+    def to_json(self) -> str:
+        """The form stored for the other nodes."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> AttemptEnd:
+        """Read what another node stored (unknown keys of a newer version are ignored)."""
+        data = json.loads(raw)
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**known)
+
+
+class JobChannel:
+    """One node's side of an attempt's channel (see the module documentation).
+
+    Made by the rendezvous after each round; the agent calls `watch` while its workers
+    run, `end` when it ends the attempt itself, and `finish` when its workers succeeded.
+
+    Args:
+        store: the round's store, shared by every node of the round.
+        scope: the attempt's key prefix in ``store`` (unique to the round and attempt).
+        node: this node's group rank.
+        nodes: the number of nodes in the round.
+        host: this node's address as its peers know it.
+        restarts: where the job counts its restarts (a store shared by every round, and
+            the key), or ``None`` when the nodes count them themselves (``static``). The
+            node that takes ticket 1 for an end that `AttemptEnd.counts` adds one there,
+            before it joins the next round, so every node reads the new count in it.
+        beat: seconds between beats (`BEAT`).
+        dead_after: seconds of stillness after which a watched node is lost (`DEAD_AFTER`).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        scope: str,
+        *,
+        node: int,
+        nodes: int,
+        host: str,
+        restarts: tuple[Store, str] | None = None,
+        beat: float = BEAT,
+        dead_after: float = DEAD_AFTER,
+    ) -> None:
+        self._store = store
+        self._scope = scope
+        self.node = node
+        self.nodes = nodes
+        self.host = host
+        self._restarts = restarts
+        self.beat = beat
+        self.dead_after = dead_after
+        self._thread = SerialThread(f"aioelastic-job-{scope}")
+        # The ring: the next node this one watches, its counter and when it last moved.
+        self._watched = (node + 1) % nodes
+        self._watched_count = -1
+        self._watched_since = time.monotonic()
+        self._ended: AttemptEnd | None = None
+        # Whether this node took ticket 1 or counted itself among those that heard.
+        self._told = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<JobChannel {self._scope!r} node {self.node}/{self.nodes} "
+            f"watching {self._watched}{' ended' if self._ended else ''}>"
+        )
+
+    def _key(self, name: str) -> str:
+        return f"{self._scope}/{name}"
+
+    async def _call(self, fn: Callable[[], _T], timeout: float) -> _T:
+        with anyio.fail_after(timeout):
+            return await self._thread.call(fn)
+
+    async def open(self) -> None:
+        """Say who this node is and that it is alive (before its workers start)."""
+
+        def hello() -> None:
+            self._store.set(self._key(f"host/{self.node}"), self.host)
+            self._store.add(self._key(f"alive/{self.node}"), 1)
+
+        await self._call(hello, self.dead_after)
+
+    async def watch(self) -> AttemptEnd:
+        """Beat until another node ends the attempt or one is lost; why (the root cause).
+
+        Never returns for a node alone in its round. A store that stays silent or
+        failing for ``dead_after`` seconds is an end too (`EndReason.STORE_LOST`).
+        """
+        if self.nodes == 1:
+            await anyio.sleep_forever()  # a node alone: nobody to hear from
+        failing_since: float | None = None
+        while True:
+            await anyio.sleep(self.beat)
+            try:
+                end = await self._call(self._beat, self.dead_after)
+            except Exception as e:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                # A beat that hung for dead_after already counts as that long.
+                if isinstance(e, TimeoutError) or now - failing_since >= self.dead_after:
+                    return self._store_lost(e)
+                logger.debug("job channel beat failed: %s", e)
+                continue
+            failing_since = None
+            if end is not None:
+                return end
+
+    def _beat(self) -> AttemptEnd | None:
+        store = self._store
+        store.add(self._key(f"alive/{self.node}"), 1)
+        if store.add(self._key("ends"), 0) > 0:
+            return self._root_cause()
+        if self._watched == self.node:
+            return None  # nobody left to watch: every other node finished
+        count = store.add(self._key(f"alive/{self._watched}"), 0)
+        now = time.monotonic()
+        if count >= _DONE:
+            self._watch_next()
+            return None
+        if count != self._watched_count:
+            self._watched_count, self._watched_since = count, now
+            return None
+        if now - self._watched_since < self.dead_after:
+            return None
+        lost = self._watched
+        host = store.get(self._key(f"host/{lost}")).decode("utf-8", "replace")
+        return self._end(
+            AttemptEnd(
+                node=lost,
+                host=host,
+                reason=EndReason.VANISHED,
+                detail=(
+                    f"no heartbeat for {self.dead_after:g} s (its launcher was killed or "
+                    "its machine lost); seen by node "
+                    f"{self.node} ({self.host})"
+                ),
+                exitcode=-9,
+                timestamp=time.time(),
+            )
+        )
+
+    def _watch_next(self) -> None:
+        self._watched = (self._watched + 1) % self.nodes
+        self._watched_count, self._watched_since = -1, time.monotonic()
+
+    def _end(self, end: AttemptEnd) -> AttemptEnd:
+        ticket = self._store.add(self._key("ends"), 1)
+        if ticket == 1 and end.counts and self._restarts is not None:
+            job_store, key = self._restarts
+            job_store.add(key, 1)
+        self._store.set(self._key(f"end/{ticket}"), end.to_json())
+        if ticket == 1:
+            self._told = True
+            return end
+        return self._root_cause()
+
+    def _root_cause(self) -> AttemptEnd:
+        """Ticket 1's end; final if any node's end is (an exit code never retried there).
+
+        Each ticket's writer sets its key right after taking the ticket: get() waits out
+        the moment in between.
+        """
+        store = self._store
+        tickets = store.add(self._key("ends"), 0)
+        ends = [
+            AttemptEnd.from_json(store.get(self._key(f"end/{t}"))) for t in range(1, tickets + 1)
+        ]
+        root = ends[0]
+        if not root.final and any(end.final for end in ends):
+            root = dataclasses.replace(root, final=True)
+        if not self._told:
+            # This node has heard; the last to hear frees whoever lingers (see linger).
+            self._told = True
+            if store.add(self._key("heard"), 1) >= _hearers(self.nodes, root):
+                store.set(self._key("all_heard"), "1")
+        return root
+
+    async def end(self, end: AttemptEnd, timeout: float | None = None) -> AttemptEnd:
+        """Tell every node that this one ends the attempt; the root cause of the end.
+
+        The root cause is ``end`` itself unless another node ended the attempt first.
+        Bounded by ``timeout`` (default ``dead_after``): a store that does not answer
+        leaves ``end`` as the root cause, logged.
+        """
+        if self._ended is not None:
+            return self._ended
+        try:
+            self._ended = await self._call(lambda: self._end(end), timeout or self.dead_after)
+        except Exception as e:
+            logger.warning("could not tell the other nodes why this node ended: %s", e)
+            self._ended = end
+        return self._ended
+
+    async def cause(self, known: AttemptEnd) -> AttemptEnd:
+        """The attempt's root cause read afresh (every end so far), else ``known``."""
+        try:
+            return await self._call(self._root_cause, self.dead_after)
+        except Exception as e:
+            logger.warning("could not read why the other nodes ended: %s", e)
+            return known
+
+    async def linger(self, cause: AttemptEnd, timeout: float | None = None) -> None:
+        """Before leaving the job: wait until every other live node heard ``cause``.
+
+        The store may live in this node's launcher (``c10d``'s host): leaving at once
+        would take it away before a slower node read why the job ended, and that node
+        would report a lost store instead of the root cause. Bounded by ``timeout``
+        (default ``dead_after``); a node that never hears is a node that is gone.
+        """
+        if _hearers(self.nodes, cause) <= 0:
+            return
+        bound = timeout or self.dead_after
+        key = self._key("all_heard")
+
+        def wait() -> None:
+            self._store.wait([key], datetime.timedelta(seconds=bound))
+
+        try:
+            await self._call(wait, bound + 1)
+        except Exception as e:
+            logger.debug("not every node heard why the job ended: %s", e)
+
+    async def finish(self) -> None:
+        """This node's workers all succeeded: its silence from now on is not death."""
+        try:
+            await self._call(
+                lambda: self._store.add(self._key(f"alive/{self.node}"), _DONE), self.dead_after
+            )
+        except Exception as e:
+            logger.warning("could not tell the other nodes this node finished: %s", e)
+
+    def close(self) -> None:
+        """Let the channel's thread end (an abandoned store call finishes first)."""
+        self._thread.close()
+
+    def _store_lost(self, error: BaseException) -> AttemptEnd:
+        why = "no answer" if isinstance(error, TimeoutError) else f"{type(error).__name__}"
+        return AttemptEnd(
+            node=self.node,
+            host=self.host,
+            reason=EndReason.STORE_LOST,
+            detail=(
+                f"the rendezvous store gave {why} for {self.dead_after:g} s; with c10d it "
+                "lives in the first node's launcher, a single point of failure: use "
+                "--rdzv-backend etcd for a job that must survive it"
+            ),
+            final=True,
+            exitcode=1,
+            timestamp=time.time(),
+        )
+
+
+def _hearers(nodes: int, cause: AttemptEnd) -> int:
+    """How many nodes hear of ``cause``: all but its writer, and a vanished node."""
+    return nodes - 1 - (cause.reason == EndReason.VANISHED)
+
+
+def end_of_failure(
+    node: int, host: str, rank: int, local_rank: int, failure: ProcessFailure, *, final: bool
+) -> AttemptEnd:
+    """The `AttemptEnd` of this node's worker ``rank`` (``local_rank``) failing."""
+    signal_name = failure.signal_name() if failure.exitcode < 0 else None
+    status = f"was killed by {signal_name}" if signal_name else f"exited {failure.exitcode}"
+    message = (failure.message or "").strip()
+    if len(message) > _MESSAGE_LIMIT:
+        message = "..." + message[-_MESSAGE_LIMIT:]
+    # The last line says most (a traceback's exception); a bare exit description only
+    # repeats the status.
+    last = message.rsplit("\n", 1)[-1].strip()
+    summary = "" if last.startswith(("exited with code", "killed by")) else f" ({last})"
+    return AttemptEnd(
+        node=node,
+        host=host,
+        reason=EndReason.WORKER_FAILED,
+        detail=f"rank {rank} {status}{summary}",
+        message=message if summary else "",
+        final=final,
+        rank=rank,
+        local_rank=local_rank,
+        pid=failure.pid,
+        exitcode=failure.exitcode,
+        timestamp=failure.timestamp,
+    )

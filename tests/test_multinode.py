@@ -1,0 +1,230 @@
+"""Several nodes: ``aioelastic-run`` launchers on 127.0.0.1, 127.0.0.2, ... over c10d.
+
+Each launcher runs in a session of its own, as on separate machines. The workers block the
+way NCCL ranks do when a peer dies — in a wait that notices nothing — so whatever stops
+them is the launchers telling each other through the rendezvous store, not the collective
+backend. Every bound asserted is far above what is measured (about a second for a failure,
+``DEAD_AFTER`` plus a beat for a vanished node).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.cli_run import Launcher, wait_gone, with_env
+
+JOB = str(Path(__file__).resolve().parent / "children" / "multinode_job.py")
+READY = re.compile(r"ready rank=(\d+) restart=(\d+) pid=(\d+)")
+DONE = re.compile(r"done rank=(\d+) restart=(\d+)")
+#: What "every node ended or restarted in seconds" means here (measured: about 1 s for an
+#: end told through the store, about 6 s for a vanished node).
+BOUND = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """``nodes`` launchers of one job, node i on 127.0.0.(i+1), node 0 hosting the store."""
+
+    def __init__(self, tmp_path: Path, nodes: int, *, mode: str = "hang", **env: str) -> None:
+        self.tmp_path = tmp_path
+        self.nodes = nodes
+        self.go = tmp_path / "go"
+        os.mkfifo(self.go)
+        self.mode = mode
+        self.env = with_env(**env)
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.run_id = uuid.uuid4().hex[:8]
+        self.launchers: list[Launcher] = []
+
+    def start(self, *flags: str, nnodes: str | None = None) -> None:
+        for node in range(self.nodes):
+            conf = f"join_timeout=60,last_call_timeout=1,is_host={int(node == 0)}"
+            self.launchers.append(
+                Launcher(
+                    [
+                        f"--nnodes={nnodes or self.nodes}",
+                        "--nproc-per-node=2",
+                        "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint={self.endpoint}",
+                        f"--rdzv-id={self.run_id}",
+                        f"--rdzv-conf={conf}",
+                        f"--local-addr=127.0.0.{node + 1}",
+                        "--monitor-interval=0.1",
+                        *flags,
+                        JOB,
+                        self.mode,
+                        str(self.tmp_path),
+                    ],
+                    self.env,
+                    new_session=True,
+                )
+            )
+
+    def ready(self, restart: int = 0, timeout: float = 90) -> dict[int, int]:
+        """Wait until every worker of attempt ``restart`` said ready; pids by rank."""
+        pids = {}
+        for node, launcher in enumerate(self.launchers):
+            pattern = re.compile(rf"ready rank=(\d+) restart={restart} pid=(\d+)")
+            for match in launcher.wait_for(pattern, 2, timeout):
+                pids[int(match.group(1))] = int(match.group(2))
+            assert len(pids) == 2 * (node + 1), pids
+        return pids
+
+    def trigger(self, timeout: float = 30) -> float:
+        """Let the failing rank fail (it reads ``go``); when that was, monotonic."""
+        opened = threading.Event()
+
+        def open_for_writing() -> None:
+            os.close(os.open(self.go, os.O_WRONLY))
+            opened.set()
+
+        thread = threading.Thread(target=open_for_writing, daemon=True)
+        thread.start()
+        assert opened.wait(timeout), "the failing rank never opened its FIFO"
+        return time.monotonic()
+
+    def finish(self, timeout: float = 90) -> list[tuple[int, float]]:
+        """Each launcher's exit status and when it was seen, in node order."""
+        ends = []
+        for launcher in self.launchers:
+            code = launcher.finish(timeout)
+            ends.append((code, time.monotonic()))
+        return ends
+
+    def kill_all(self) -> None:
+        for launcher in self.launchers:
+            if launcher.proc.poll() is None:
+                os.killpg(launcher.proc.pid, signal.SIGKILL)
+            launcher.finish()
+
+
+@contextmanager
+def job(tmp_path: Path, nodes: int, **kwargs: str) -> Iterator[Job]:
+    """A `Job`, every launcher's session killed on the way out (only on a failed test)."""
+    running = Job(tmp_path, nodes, **kwargs)
+    with ExitStack() as stack:
+        stack.callback(running.kill_all)
+        yield running
+
+
+def _ended_within(ends: list[tuple[int, float]], since: float) -> list[float]:
+    return [round(seen - since, 2) for _, seen in ends]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["hang", "store"])
+def test_a_failed_rank_ends_every_node_although_its_peers_notice_nothing(
+    tmp_path: Path, mode: str
+) -> None:
+    with job(tmp_path, 3, mode=mode, TEST_FAIL_RANK="5") as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        failed_at = running.trigger()
+        ends = running.finish()
+        took = _ended_within(ends, failed_at)
+        assert all(t < BOUND for t in took), took
+        assert [code for code, _ in ends] == [7, 7, 7], [n.stderr for n in running.launchers]
+        assert wait_gone(list(pids.values()), 10) == []
+    for node in (0, 1):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 2 (127.0.0.3) failed: rank 5 exited 7" in stderr, stderr
+        assert "host      : 127.0.0.3" in stderr
+    assert "rank      : 5 (local_rank: 1)" in running.launchers[2].stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_after_a_failure_anywhere_every_node_restarts_with_the_jobs_count(
+    tmp_path: Path,
+) -> None:
+    with job(tmp_path, 3, TEST_FAIL_RANK="5") as running:
+        running.start("--max-restarts=1")
+        running.ready()
+        failed_at = running.trigger()
+        restarted = running.ready(restart=1)
+        assert len(restarted) == 6
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0, 0], [n.stderr for n in running.launchers]
+    # Every node restarted at once, not when its own ranks noticed (they never would).
+    assert all(t < 60 for t in _ended_within(ends, failed_at))
+    done = sorted(
+        (int(m.group(1)), int(m.group(2)))
+        for launcher in running.launchers
+        for m in map(DONE.search, launcher.out)
+        if m
+    )
+    assert done == [(rank, 1) for rank in range(6)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_restart_budget_is_the_jobs_not_each_nodes(tmp_path: Path) -> None:
+    # Node 2's rank 5 fails in every attempt; the job may restart twice in all, so every
+    # node runs exactly attempts 0, 1 and 2 (torch counts per node: pytorch#108158).
+    with job(tmp_path, 2, TEST_FAIL_RANK="3", TEST_FAIL_UNTIL="-1") as running:
+        running.start("--max-restarts=2")
+        for attempt in range(3):
+            running.ready(restart=attempt)
+            running.trigger()
+        ends = running.finish()
+        assert [code for code, _ in ends] == [7, 7]
+    for launcher in running.launchers:
+        attempts = sorted({int(m.group(2)) for m in map(READY.search, launcher.out) if m})
+        assert attempts == [0, 1, 2], launcher.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_launcher_stopped_by_sigterm_ends_the_attempt_on_every_node(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        stopped_at = time.monotonic()
+        running.launchers[1].proc.send_signal(signal.SIGTERM)
+        ends = running.finish()
+        took = _ended_within(ends, stopped_at)
+        assert all(t < BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    assert ends[1][0] == 128 + signal.SIGTERM
+    for node in (0, 2):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 1 (127.0.0.2) was stopped by SIGTERM" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        victim = running.launchers[2]
+        killed_at = time.monotonic()
+        # The launcher and its workers, as when a machine is lost.
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        for rank in (4, 5):
+            os.kill(pids[rank], signal.SIGKILL)
+        ends = running.finish()
+        took = _ended_within(ends[:2], killed_at)
+        assert all(t < BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    assert ends[2][0] == -signal.SIGKILL
+    for node in (0, 1):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 2 (127.0.0.3) vanished: no heartbeat" in stderr, stderr
