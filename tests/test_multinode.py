@@ -52,9 +52,12 @@ class Job:
         self.run_id = uuid.uuid4().hex[:8]
         self.launchers: list[Launcher] = []
 
-    def start(self, *flags: str, nnodes: str | None = None) -> None:
+    def start(self, *flags: str, nnodes: str | None = None, last_call: bool = True) -> None:
+        """Start the launchers; ``last_call=False`` keeps torch's last call (30 s)."""
         for node in range(self.nodes):
-            conf = f"join_timeout=60,last_call_timeout=1,is_host={int(node == 0)}"
+            conf = f"join_timeout=60,is_host={int(node == 0)}"
+            if last_call:
+                conf += ",last_call_timeout=1"
             self.launchers.append(
                 Launcher(
                     [
@@ -228,3 +231,29 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
     for node in (0, 1):
         stderr = running.launchers[node].stderr
         assert "stopped: node 2 (127.0.0.3) vanished: no heartbeat" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaults(
+    tmp_path: Path,
+) -> None:
+    # --nnodes 2:3, torch's keep-alive (15 s) and last call (30 s) left at their defaults:
+    # the survivors forget the lost node at once and close the new round as soon as both
+    # are in, instead of waiting out about 45 s.
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=1", nnodes="2:3", last_call=False)
+        pids = running.ready()
+        victim = running.launchers[2]
+        killed_at = time.monotonic()
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        for rank in (4, 5):
+            os.kill(pids[rank], signal.SIGKILL)
+        running.launchers = running.launchers[:2]
+        again = running.ready(restart=1)
+        took = time.monotonic() - killed_at
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0], [n.stderr for n in running.launchers]
+        victim.finish()
+    assert took < BOUND, took
+    assert sorted(again) == [0, 1, 2, 3]

@@ -14,18 +14,21 @@ aioelastic agent and a torch agent can even take part in the same rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from ._job_channel import AttemptEnd, JobChannel
+from . import _rdzv_reform as reform
+from ._job_channel import AttemptEnd, EndReason, JobChannel
 from ._rdzv_handlers import connection_errors_explained
 from ._rdzv_store import Store, WorkerStoreHost, free_port
 from ._rdzv_thread import SerialThread, on_daemon_thread
@@ -223,6 +226,10 @@ class Rendezvous:
         # ends on every node, for membership never changes there).
         self._restarts = 0
         self._counts_itself = True
+        # The last round's members (torch's node descriptors, by group rank), and the
+        # group ranks seen vanishing since: the next join forgets them (`_rdzv_reform`).
+        self._members: tuple[int, dict[Any, int]] | None = None
+        self._lost: set[int] = set()
 
     @property
     def use_agent_store(self) -> bool:
@@ -263,11 +270,12 @@ class Rendezvous:
             from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
             try:
-                with connection_errors_explained():
+                with connection_errors_explained(), self._reforming():
                     info = self.handler.next_rendezvous()
             except RendezvousGracefulExitError as e:
                 logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
                 return None
+            self._members = reform.members(self.handler)
             bootstrap = info.bootstrap_store_info
             addr = bootstrap.master_addr if bootstrap else None
             port = bootstrap.master_port if bootstrap else None
@@ -330,9 +338,26 @@ class Rendezvous:
         return await self._thread.call(waiting)
 
     def attempt_ended(self, end: AttemptEnd) -> None:
-        """Count ``end`` where the nodes count restarts themselves (``static``, custom)."""
+        """Count ``end`` where the nodes count restarts themselves (``static``, custom);
+        a node that vanished is forgotten by the next round at once."""
         if end.counts and self._counts_itself:
             self._restarts += 1
+        if end.reason == EndReason.VANISHED:
+            self._lost.add(end.node)
+
+    @contextlib.contextmanager
+    def _reforming(self) -> Iterator[None]:
+        """Around a join after nodes vanished: forget them, close when survivors are in."""
+        lost, self._lost = self._lost, set()
+        if not lost or self._members is None:
+            yield
+            return
+        last_round, members = self._members
+        gone = {node for node, rank in members.items() if rank in lost}
+        for node in gone:
+            reform.forget_node(self.handler, node)
+        with reform.survivors_closing_round(self.handler, set(members) - gone, last_round):
+            yield
 
     async def exit_barrier(self, timeout: float) -> bool:
         """Wait until every node of the last round finished its workers (torch's barrier).
