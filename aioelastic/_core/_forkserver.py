@@ -35,6 +35,7 @@ from ._exit_watch import StatusPipeWatch
 from ._forkserver_process import _MAX_MSG, INLINE_CALL_MAX
 from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
 from ._runtime import forget_in_child, runtime
+from ._subreaper import lineage_env
 
 logger = logging.getLogger("aioelastic.forkserver")
 
@@ -173,7 +174,8 @@ class ForkServer:
                 start_python,
                 f"from {_forkserver_process.__name__} import main; "
                 f"main({theirs.fileno()}, {os.getpid()})",
-                dict(os.environ),
+                # Marked too: a worker's fork without exec shows the server's environment.
+                {**os.environ, **lineage_env(os.environ)},
                 None,
                 None,
                 (theirs.fileno(),),

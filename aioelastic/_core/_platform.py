@@ -1,9 +1,9 @@
 """Linux process primitives, each with the fallback used where the kernel lacks it.
 
 Everything that differs between "a modern Linux kernel" and "something else" sits here:
-pidfd support, ``prctl`` (parent-death signal, child subreaper), and finding the live
-members of a process group. The rest of the package asks these functions and never
-checks the platform itself.
+pidfd support, ``prctl`` (parent-death signal, child subreaper), finding the live
+members of a process group, and reading what ``/proc`` tells about a process. The rest
+of the package asks these functions and never checks the platform itself.
 """
 
 from __future__ import annotations
@@ -206,6 +206,62 @@ def live_group_members(
 def children_of(parent: int) -> dict[int, str]:
     """The children of ``parent`` (pid -> /proc state letter), zombies included."""
     return {pid: state for pid, state, ppid, _ in _processes() if ppid == parent}
+
+
+def children_and_groups(parent: int) -> dict[int, tuple[str, int]]:
+    """The children of ``parent``: pid -> (/proc state letter, process group), zombies included.
+
+    A zombie keeps its process group (and so the group id stays taken) until reaped.
+    """
+    return {pid: (state, pgrp) for pid, state, ppid, pgrp in _processes() if ppid == parent}
+
+
+def exec_environ_value(pid: int, name: str) -> str | None:
+    """The value of ``name`` in the environment ``pid`` was executed with.
+
+    Read from ``/proc/PID/environ``: the block ``execve`` gave the process. What it
+    changed since (``setenv``, ``os.environ[...] = ...``) does not show there, and a
+    child forked without exec shows its parent's block. ``None`` when the variable is
+    absent or the block cannot be read: the process is gone, a zombie (its memory, and
+    the block with it, is freed), or not ours to read (another user's, not dumpable).
+    """
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            block = f.read()
+    except OSError:
+        return None
+    prefix = name.encode() + b"="
+    for entry in block.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def command_line(pid: int, limit: int = 200) -> str:
+    """``pid``'s command line as a shell would quote it, cut at ``limit`` characters.
+
+    From ``/proc/PID/cmdline``; a process without one (a zombie, a kernel thread) is
+    shown as ``ps`` shows it, by its name in brackets. ``""`` when ``pid`` is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        raw = b""
+    args = [arg.decode(errors="replace") for arg in raw.split(b"\0")]
+    if args and args[-1] == "":
+        args.pop()
+    if args:
+        import shlex  # here: spawned workers import this module and never need it
+
+        text = shlex.join(args)
+    else:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                text = f"[{f.read().rstrip()}]"
+        except OSError:
+            return ""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def signal_group(pgid: int, sig: int) -> bool:

@@ -9,8 +9,8 @@ Most state belongs to one run (a process context, an agent). A few things belong
 * the console writers and their per-file locks (:mod:`aioelastic._core._console`);
 * the limiter of the ``waitid`` threads of the exit-watch fallback
   (:mod:`aioelastic._core._exit_watch`);
-* the subreaper flag and the children aioelastic started itself
-  (:mod:`aioelastic._core._subreaper`);
+* the subreaper flag, the children aioelastic started itself, and the token that marks
+  the environment of this process's workers (:mod:`aioelastic._core._subreaper`);
 * whether a worker's terminal is being fed our stdin (:mod:`aioelastic._core._terminal`);
 * whether stale temporary log roots were swept (:mod:`aioelastic._core._log_root`).
 
@@ -73,6 +73,10 @@ class Runtime:
         self.console_locks: dict[object, threading.Lock] = {}
         #: Whether ``PR_SET_CHILD_SUBREAPER`` is set (it is not inherited by a fork).
         self.subreaper_enabled = False
+        #: The random token in :data:`~aioelastic._core._subreaper.LINEAGE_ENV` of this
+        #: process's workers, made on first use (a forked child that supervises workers
+        #: makes its own: its state is reset).
+        self.lineage_token: str | None = None
         #: Pids of the processes aioelastic started itself and reaps itself.
         self.own_children: set[int] = set()
         #: Every recorded worker not reaped yet, of every group (each leads its own

@@ -106,7 +106,7 @@ async def stop_workers(
             # Lets other tasks run between batches; never raises (cancel-shielded).
             await anyio.lowlevel.cancel_shielded_checkpoint()
     try:
-        await sweep_strays()
+        await sweep_strays(pgids)
     except OSError as exc:
         logger.warning("aioelastic: sweeping stray children failed: %s", exc)
 
