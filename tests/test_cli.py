@@ -7,6 +7,7 @@ or as ``-m tests.children.cli``. Tests that must signal the launcher wait for th
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -249,6 +250,65 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
      "'a b' is not a host name or address"),
     (["--local-addr", "a b"], {}, [lambda: _spec(local_addr="a b")],
      "'a b' is not a host name or address"),
+]  # fmt: skip
+
+
+# --rdzv-conf for torch's own backends, and --log-dir: rows of BAD_VALUES too.
+
+_FILE = str(REPO / "pyproject.toml")
+_C10D_HERE = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
+
+
+def _handler(backend: str, **options: Any) -> None:
+    from aioelastic import create_rdzv_handler
+
+    asyncio.run(create_rdzv_handler(backend, "127.0.0.1:0", "job", 1, 1, **options))
+
+
+def _launched(**kw: Any) -> None:
+    from aioelastic import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(**{"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, **kw})
+    asyncio.run(elastic_launch(config, "/bin/true")())
+
+
+BAD_VALUES += [
+    ([*_C10D_HERE, "--rdzv-conf", "join_timeout=-5"], {},
+     [lambda: _handler("c10d", join_timeout=-5), lambda: _handler("c10d", join_timeout="-5"),
+      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                        rdzv_configs={"join_timeout": -5})],
+     "join_timeout=-5 is not a whole number of seconds >= 1 (e.g. join_timeout=600)"),
+    ([*_C10D_HERE, "--rdzv-conf", "timeout=abc"], {},
+     [lambda: _handler("c10d", timeout="abc"),
+      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                        rdzv_configs={"timeout": "abc"})],
+     "timeout='abc' is not a whole number of seconds (e.g. timeout=900); the c10d backend "
+     "ignores timeout anyway (its wait for nodes is join_timeout): drop it"),
+    ([*_C10D_HERE, "--rdzv-conf", "heartbeat=5"], {},
+     [lambda: _handler("c10d", heartbeat=5),
+      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+                        rdzv_configs={"heartbeat": 5})],
+     "'heartbeat' is not an option of torch's c10d rendezvous backend, which reads "
+     "close_timeout, heartbeat_timeout, is_host, join_timeout, keep_alive_interval, "
+     "keep_alive_max_attempt, last_call_timeout, read_timeout, store_type: fix the name or "
+     "drop it"),
+    (["--master-port", "0", "--rdzv-conf", "join_timeout=60"], {},
+     [lambda: _handler("static", rank=0, join_timeout=60)],
+     "'join_timeout' is not an option of torch's static rendezvous backend, which reads "
+     "rank, timeout: fix the name or drop it"),
+    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf",
+      "protocol=ftp"], {}, [lambda: _handler("etcd-v2", protocol="ftp")],
+     "protocol='ftp' is not one of 'http', 'https'"),
+    (["--log-dir", _FILE], {},
+     [lambda: _start(log_dir=_FILE), lambda: _agent(log_dir=_FILE),
+      lambda: _launched(log_dir=Path(_FILE))],
+     f"{_FILE!r} is a file, not a directory; give the path of a directory (made if missing)"),
+    (["--log-dir", f"{_FILE}/logs"], {},
+     [lambda: _start(log_dir=f"{_FILE}/logs"),
+      lambda: _agent(log_dir=f"{_FILE}/logs"),
+      lambda: _launched(log_dir=f"{_FILE}/logs")],
+     f"'{_FILE}/logs' is under {_FILE!r}, a file, not a directory; give the path of a "
+     "directory (made if missing)"),
 ]  # fmt: skip
 
 
@@ -570,3 +630,12 @@ def test_workers_receive_the_signal_the_launcher_received(handled: str, sent: in
         assert run.finish() == 128 + sent, run.stderr
     name = signal.Signals(sent).name
     assert sorted(re.findall(rf"caught {name} rank=(\d)", run.stdout)) == ["0", "1"], run.stdout
+
+
+@pytest.mark.timeout(60)
+def test_logs_specs_default_runs_the_job_in_torchs_own_layout() -> None:
+    # 'default' is the torchrun.logs_specs entry point torch's wheel installs
+    # (DefaultLogsSpecs): the layout aioelastic-run writes anyway.
+    run = launch("--logs-specs", "default", "--nproc-per-node", "2", SCRIPT, "env")
+    assert run.proc.returncode == 0, run.stderr
+    assert len(env_lines(run)) == 2

@@ -13,7 +13,7 @@ import pickle
 import re
 import signal
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,6 @@ from aioelastic._cli._cli_flags import FLAGS, flag_for
 from aioelastic._cli._cli_parser import build_parser, parse_args
 from aioelastic._cli._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
 from aioelastic._core._std import Std
-from tests import test_cli as end_to_end
-from tests.cli_run import REPO
-from tests.cli_run import launch as run_launcher
 
 # Flags of torch's parser that torchrun marks private or that only torch.distributed.launch
 # has; everything else must exist here under the same spellings.
@@ -281,11 +278,6 @@ def test_logs_specs_default_is_torchs_own_layout_and_is_accepted(
     refused = refusal(["--logs_specs", "mine"], capsys)
     assert refused.startswith("--logs-specs='mine' cannot be honoured")
     assert "only 'default' (torch's DefaultLogsSpecs" in refused
-    run = run_launcher(
-        "--logs-specs", "default", "--nproc-per-node", "2", end_to_end.SCRIPT, "env"
-    )  # fmt: skip
-    assert run.proc.returncode == 0, run.stderr
-    assert len(end_to_end.env_lines(run)) == 2
 
 
 @pytest.mark.parametrize(
@@ -590,7 +582,6 @@ def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
 
 @pytest.mark.timeout(60)
 def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import asyncio
 
     from aioelastic import elastic_launch
     from aioelastic._core import _values as values
@@ -635,82 +626,3 @@ def test_a_changed_config_is_checked_and_resolved_again() -> None:
     copy = pickle.loads(pickle.dumps(c))
     assert copy == c
     assert copy._derived().store == ("h0", None)
-
-
-# -- the same bad value from the command line and the API ------------------------------
-# Rows in the form of tests/test_cli.py's BAD_VALUES, checked by its test (the launcher run
-# for real, then every API twin): --rdzv-conf for torch's own backends and --log-dir.
-
-_FILE = str(REPO / "pyproject.toml")
-_C10D_HERE = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"]
-
-
-def _handler(backend: str, **options: Any) -> None:
-    from aioelastic import create_rdzv_handler
-
-    asyncio.run(create_rdzv_handler(backend, "127.0.0.1:0", "job", 1, 1, **options))
-
-
-def _launched(**kw: Any) -> None:
-    from aioelastic import elastic_launch
-
-    config = LaunchConfig(**{"min_nodes": 1, "max_nodes": 1, "nproc_per_node": 1, **kw})
-    asyncio.run(elastic_launch(config, "/bin/true")())
-
-
-BAD_RDZV_AND_LOG_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]] = [
-    ([*_C10D_HERE, "--rdzv-conf", "join_timeout=-5"], {},
-     [lambda: _handler("c10d", join_timeout=-5), lambda: _handler("c10d", join_timeout="-5"),
-      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                        rdzv_configs={"join_timeout": -5})],
-     "join_timeout=-5 is not a whole number of seconds >= 1 (e.g. join_timeout=600)"),
-    ([*_C10D_HERE, "--rdzv-conf", "timeout=abc"], {},
-     [lambda: _handler("c10d", timeout="abc"),
-      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                        rdzv_configs={"timeout": "abc"})],
-     "timeout='abc' is not a whole number of seconds (e.g. timeout=900); the c10d backend "
-     "ignores timeout anyway (its wait for nodes is join_timeout): drop it"),
-    ([*_C10D_HERE, "--rdzv-conf", "heartbeat=5"], {},
-     [lambda: _handler("c10d", heartbeat=5),
-      lambda: _launched(rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
-                        rdzv_configs={"heartbeat": 5})],
-     "'heartbeat' is not an option of torch's c10d rendezvous backend, which reads "
-     "close_timeout, heartbeat_timeout, is_host, join_timeout, keep_alive_interval, "
-     "keep_alive_max_attempt, last_call_timeout, read_timeout, store_type: fix the name or "
-     "drop it"),
-    (["--master-port", "0", "--rdzv-conf", "join_timeout=60"], {},
-     [lambda: _handler("static", rank=0, join_timeout=60)],
-     "'join_timeout' is not an option of torch's static rendezvous backend, which reads "
-     "rank, timeout: fix the name or drop it"),
-    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "127.0.0.1:0", "--rdzv-conf",
-      "protocol=ftp"], {}, [lambda: _handler("etcd-v2", protocol="ftp")],
-     "protocol='ftp' is not one of 'http', 'https'"),
-    (["--log-dir", _FILE], {},
-     [lambda: end_to_end._start(log_dir=_FILE), lambda: end_to_end._agent(log_dir=_FILE),
-      lambda: _launched(log_dir=Path(_FILE))],
-     f"{_FILE!r} is a file, not a directory; give the path of a directory (made if missing)"),
-    (["--log-dir", f"{_FILE}/logs"], {},
-     [lambda: end_to_end._start(log_dir=f"{_FILE}/logs"),
-      lambda: end_to_end._agent(log_dir=f"{_FILE}/logs"),
-      lambda: _launched(log_dir=f"{_FILE}/logs")],
-     f"'{_FILE}/logs' is under {_FILE!r}, a file, not a directory; give the path of a "
-     "directory (made if missing)"),
-]  # fmt: skip
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(
-    ("argv", "env", "api", "message"),
-    BAD_RDZV_AND_LOG_VALUES,
-    ids=[row[3][:40] for row in BAD_RDZV_AND_LOG_VALUES],
-)
-def test_a_bad_rdzv_conf_or_log_dir_reads_the_same_from_the_cli_and_the_api(
-    argv: list[str],
-    env: dict[str, str],
-    api: list[Callable[[], None]],
-    message: str,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    end_to_end.test_a_bad_value_reads_the_same_from_the_cli_and_the_api(
-        argv, env, api, message, monkeypatch
-    )
