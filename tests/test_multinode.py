@@ -257,3 +257,31 @@ def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaul
         victim.finish()
     assert took < BOUND, took
     assert sorted(again) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill_urg_on_any_launcher_prints_every_ranks_stack_grouped(tmp_path: Path) -> None:
+    with job(tmp_path, 3, TEST_ODD_RANK="4") as running:
+        running.start("--max-restarts=0", f"--log-dir={tmp_path / 'logs'}")
+        pids = running.ready()
+        asker = running.launchers[1]
+        asker.proc.send_signal(signal.SIGURG)
+        asker.wait_for_stderr("(also in ", timeout=30)
+        running.launchers[0].proc.send_signal(signal.SIGTERM)
+        running.finish()
+    report = asker.stderr[asker.stderr.index("stacks of 6 ranks on 3 nodes") :]
+    head = report.splitlines()
+    assert head[0] == "stacks of 6 ranks on 3 nodes, asked by node 1 (127.0.0.2)"
+    # The odd one out first, with its host and pid, then the rest as one group.
+    assert head[1].startswith(f"rank 4 (node 2 127.0.0.3 pid {pids[4]}): wait <- ")
+    assert "stuck_elsewhere multinode_job.py:" in head[1]
+    rest = next(line for line in head if line.startswith("ranks "))
+    assert rest.startswith("ranks 0-3,5 (nodes 0,1,2): wait <- wait ")
+    assert "main multinode_job.py:" in rest
+    for rank in (0, 1, 2, 3, 5):
+        host = f"127.0.0.{rank // 2 + 1}"
+        assert f"  rank {rank}: node {rank // 2} {host} pid {pids[rank]}" in report
+    written = list((tmp_path / "logs").glob("*/stacks-*.txt"))
+    assert len(written) == 1
+    assert written[0].read_text().startswith(head[0])

@@ -309,12 +309,14 @@ LAUNCHER_STACK_SIGNAL = STACK_SIGNAL
 
 @asynccontextmanager
 async def stack_requests(
-    dump: Callable[[], Awaitable[Mapping[int, str]]], out: TextIO | None = None
+    dump: Callable[[], Awaitable[Mapping[int, str] | str]], out: TextIO | None = None
 ) -> AsyncIterator[None]:
     """While the block runs, print every worker's stacks when the process gets ``SIGURG``.
 
-    ``kill -URG <launcher pid>`` prints them to ``out`` (stderr) without stopping anything.
-    Off the main thread (where no signal handler can be installed) this does nothing.
+    ``kill -URG <launcher pid>`` prints them to ``out`` (stderr) without stopping anything:
+    ``dump()`` gives them by local rank, or as a report already written (the agent's, of
+    the whole job). Off the main thread (where no signal handler can be installed) this
+    does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -327,6 +329,10 @@ async def stack_requests(
                 async for _ in signals:
                     stacks = await dump()
                     stream = out if out is not None else sys.stderr
+                    if isinstance(stacks, str):
+                        stream.write(stacks)
+                        stream.flush()
+                        continue
                     for rank, text in sorted(stacks.items()):
                         stream.write(f"--- stack of local rank {rank} ---\n{text}")
                     if not stacks:

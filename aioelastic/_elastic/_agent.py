@@ -77,6 +77,7 @@ from ._events import (
     WorkersStarted,
 )
 from ._job_channel import AttemptEnd, EndReason, JobChannel, end_of_failure
+from ._job_stacks import JobStacks, RankStack
 from ._metrics import observed
 from ._rdzv_node import LocalRendezvous, NodeRendezvous, Rendezvous
 
@@ -305,9 +306,49 @@ class LocalElasticAgent:
             self._output.close()
             self._drop_empty_temporary_logs()
 
-    async def _dump_stacks(self) -> dict[int, str]:
-        """Stacks of the running workers, for ``kill -URG`` on the agent (docs/hangs.md)."""
-        return await self._ctx.dump_stacks() if self._ctx is not None else {}
+    async def _dump_stacks(self) -> str:
+        """``kill -URG`` on the agent: every rank's stacks across the job (docs/hangs.md).
+
+        The report is also written to the log directory (``stacks-<time>.txt``).
+        """
+        report = (await self.job_stacks()).format()
+        if self._log_root is not None:
+            name = time.strftime("stacks-%Y%m%d-%H%M%S.txt")
+            try:
+                (self._log_root / name).write_text(report)
+                report += f"(also in {self._log_root / name})\n"
+            except OSError as e:
+                report += f"(not written to {self._log_root}: {e})\n"
+        return report
+
+    async def job_stacks(self) -> JobStacks:
+        """Every running rank's stack on every node of the job, grouped (`JobStacks`).
+
+        On several nodes the other nodes are asked through the rendezvous store and each
+        answers within a beat with its own ranks' stacks; a node that does not answer
+        within `STACKS_TIMEOUT` seconds is named as missing. Without workers running, an
+        empty report.
+        """
+        channel = self._channel
+        if channel is not None and self._ctx is not None:
+            return await channel.gather_stacks(self._capture_stacks)
+        stacks = [
+            RankStack(rank, self._group.group_rank or 0, "localhost", pid, text)
+            for rank, pid, text in await self._capture_stacks()
+        ]
+        return JobStacks(tuple(stacks))
+
+    async def _capture_stacks(self) -> list[tuple[int, int, str]]:
+        """This node's running workers' stacks: ``[(global rank, pid, text), ...]``."""
+        ctx = self._ctx
+        if ctx is None:
+            return []
+        workers = self._group.workers
+        pids = ctx.pids()
+        stacks = await ctx.dump_stacks()
+        return [
+            (workers[lr].global_rank, pids.get(lr, -1), text) for lr, text in sorted(stacks.items())
+        ]
 
     # -- the run -----------------------------------------------------------------------
 
@@ -552,7 +593,12 @@ class LocalElasticAgent:
                 )
                 try:
                     watched = await watch_attempt(
-                        ctx, rdzv, spec.monitor_interval, channel, self._end_of
+                        ctx,
+                        rdzv,
+                        spec.monitor_interval,
+                        channel,
+                        self._end_of,
+                        self._capture_stacks,
                     )
                 except BaseException as e:
                     interruption = self._interruption(e)

@@ -20,7 +20,7 @@ import anyio
 from .._core._errors import ProcessFailure
 from .._core._pcontext import PContext
 from .._core._results import RunProcsResult
-from ._job_channel import AttemptEnd, JobChannel
+from ._job_channel import AttemptEnd, Capture, JobChannel
 from ._rdzv_node import NodeRendezvous
 
 __all__ = ["MembershipChange", "PeerEnded", "watch_attempt"]
@@ -71,6 +71,7 @@ async def watch_attempt(
     monitor_interval: float,
     channel: JobChannel | None = None,
     end_of: Callable[[dict[int, ProcessFailure]], AttemptEnd] | None = None,
+    capture: Capture | None = None,
 ) -> Watched:
     """The group's outcome, another node's end, or a membership change, whichever is first.
 
@@ -80,6 +81,7 @@ async def watch_attempt(
         monitor_interval: seconds between two ``num_nodes_waiting()`` questions.
         channel: the round's channel to the other nodes, if any.
         end_of: what to tell them when local workers failed (by local rank).
+        capture: this node's stacks, for another node that asks for the job's.
 
     Raises:
         Exception: whatever ``ctx.wait()`` raised, as itself.
@@ -133,7 +135,7 @@ async def watch_attempt(
             nonlocal outcome
             assert channel is not None
             with scope:
-                end = await channel.watch()
+                end = await channel.watch(capture)
                 if outcome is None:
                     outcome = PeerEnded(end)
                     tg.cancel_scope.cancel()

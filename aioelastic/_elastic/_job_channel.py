@@ -19,9 +19,15 @@ to the round and the attempt:
   the attempt on its behalf.
 * **finishing**: a node whose workers all succeeded marks its counter done, so that its
   silence in the exit barrier is not taken for death.
+* **stacks**: a node that wants every rank's stack (``kill -URG``, `gather_stacks`) takes a
+  request number; every node answers on its next beat with its own ranks' stacks, and the
+  asker groups them into one report (`JobStacks`).
+
+Ends and stack requests both bump one ``news`` counter, which is what a beat reads, so a
+stack request costs the beats nothing.
 
 Cost, per node and beat: three requests of a few bytes to the store (bump, read the
-neighbour, read the ticket counter) — 6 requests a second at the default beat, so 6,000 a
+neighbour, read the news counter) — 6 requests a second at the default beat, so 6,000 a
 second for a 1,000-node job, which a TCPStore or etcd serves easily. Detection: a peer's end
 within one beat plus a round trip; a vanished node within `DEAD_AFTER` plus a beat.
 
@@ -39,17 +45,27 @@ import datetime
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import anyio
 
 from .._core._errors import NOT_AVAILABLE, ProcessFailure
+from ._job_stacks import JobStacks, RankStack
 from ._rdzv_store import Store
 from ._rdzv_thread import SerialThread
 
-__all__ = ["BEAT", "DEAD_AFTER", "AttemptEnd", "EndReason", "JobChannel", "end_of_failure"]
+__all__ = [
+    "BEAT",
+    "DEAD_AFTER",
+    "STACKS_TIMEOUT",
+    "AttemptEnd",
+    "Capture",
+    "EndReason",
+    "JobChannel",
+    "end_of_failure",
+]
 
 logger = logging.getLogger("aioelastic.agent")
 
@@ -59,7 +75,13 @@ BEAT = 0.5
 DEAD_AFTER = 5.0
 """Seconds a watched node's counter may stay still (or the store silent) before it is lost."""
 
+STACKS_TIMEOUT = 10.0
+"""Seconds a node may take to capture its ranks' stacks, and the asker waits for all."""
+
 _T = TypeVar("_T")
+
+Capture = Callable[[], Awaitable[list[tuple[int, int, str]]]]
+"""Captures this node's stacks: ``[(global rank, pid, text), ...]``."""
 
 # A counter past this is a node that finished (its workers succeeded): never dead.
 _DONE = 1 << 40
@@ -195,6 +217,11 @@ class JobChannel:
         self._ended: AttemptEnd | None = None
         # Whether this node took ticket 1 or counted itself among those that heard.
         self._told = False
+        # The news counter as last handled, the next stack request to look at, and the
+        # requests this node answered (its own among them).
+        self._news = 0
+        self._next_request = 1
+        self._answered: set[int] = set()
 
     def __repr__(self) -> str:
         return (
@@ -218,11 +245,12 @@ class JobChannel:
 
         await self._call(hello, self.dead_after)
 
-    async def watch(self) -> AttemptEnd:
+    async def watch(self, capture: Capture | None = None) -> AttemptEnd:
         """Beat until another node ends the attempt or one is lost; why (the root cause).
 
-        Never returns for a node alone in its round. A store that stays silent or
-        failing for ``dead_after`` seconds is an end too (`EndReason.STORE_LOST`).
+        Meanwhile answers the other nodes' requests for stacks with ``capture()``. Never
+        returns for a node alone in its round. A store that stays silent or failing for
+        ``dead_after`` seconds is an end too (`EndReason.STORE_LOST`).
         """
         if self.nodes == 1:
             await anyio.sleep_forever()  # a node alone: nobody to hear from
@@ -240,14 +268,26 @@ class JobChannel:
                 logger.debug("job channel beat failed: %s", e)
                 continue
             failing_since = None
-            if end is not None:
+            if isinstance(end, int):
+                await self._answer_request(end, capture)
+            elif end is not None:
                 return end
 
-    def _beat(self) -> AttemptEnd | None:
+    def _beat(self) -> AttemptEnd | int | None:
+        """One beat: an end (the root cause), a stack request to answer (its number), or None."""
         store = self._store
         store.add(self._key(f"alive/{self.node}"), 1)
-        if store.add(self._key("ends"), 0) > 0:
-            return self._root_cause()
+        news = store.add(self._key("news"), 0)
+        if news != self._news:
+            if store.add(self._key("ends"), 0) > 0:
+                return self._root_cause()
+            asked = store.add(self._key("stacks"), 0)
+            while self._next_request <= asked:
+                request = self._next_request
+                self._next_request += 1
+                if request not in self._answered:
+                    return request  # news is read again next beat: more may wait
+            self._news = news
         if self._watched == self.node:
             return None  # nobody left to watch: every other node finished
         count = store.add(self._key(f"alive/{self._watched}"), 0)
@@ -277,6 +317,74 @@ class JobChannel:
             )
         )
 
+    async def _answer_request(self, request: int, capture: Capture | None) -> None:
+        stacks: list[tuple[int, int, str]] = []
+        if capture is not None:
+            try:
+                with anyio.fail_after(STACKS_TIMEOUT):
+                    stacks = await capture()
+            except Exception as e:
+                logger.warning("could not capture this node's stacks: %s", e)
+        await self._call(lambda: self._answer(request, stacks), self.dead_after)
+
+    def _answer(self, request: int, stacks: list[tuple[int, int, str]]) -> None:
+        store = self._store
+        self._answered.add(request)
+        answer = {"node": self.node, "host": self.host, "ranks": stacks}
+        store.set(self._key(f"stacks/{request}/node/{self.node}"), json.dumps(answer))
+        if store.add(self._key(f"stacks/{request}/answers"), 1) >= self.nodes:
+            store.set(self._key(f"stacks/{request}/done"), "1")
+
+    async def gather_stacks(self, capture: Capture, timeout: float = STACKS_TIMEOUT) -> JobStacks:
+        """Every rank's stack across the job, through the store (see `JobStacks`).
+
+        Asks every node (each answers on its next beat with ``capture()`` of its own),
+        answers for this one, and waits up to ``timeout`` seconds for the others; a node
+        that does not answer in time is named in the report.
+        """
+
+        def ask() -> int:
+            request = int(self._store.add(self._key("stacks"), 1))
+            # Before the news: this node's own beat must not answer it a second time.
+            self._answered.add(request)
+            self._store.add(self._key("news"), 1)
+            return request
+
+        request = await self._call(ask, self.dead_after)
+        try:
+            with anyio.fail_after(STACKS_TIMEOUT):
+                own = await capture()
+        except Exception as e:
+            logger.warning("could not capture this node's stacks: %s", e)
+            own = []
+        await self._call(lambda: self._answer(request, own), self.dead_after)
+
+        def collect() -> JobStacks:
+            store = self._store
+            try:
+                store.wait(
+                    [self._key(f"stacks/{request}/done")], datetime.timedelta(seconds=timeout)
+                )
+            except Exception:
+                pass  # some node did not answer in time: reported as missing below
+            stacks: list[RankStack] = []
+            missing: list[str] = []
+            for node in range(self.nodes):
+                key = self._key(f"stacks/{request}/node/{node}")
+                if not store.check([key]):
+                    host_key = self._key(f"host/{node}")
+                    host = store.get(host_key).decode() if store.check([host_key]) else "?"
+                    missing.append(f"node {node} ({host})")
+                    continue
+                answer = json.loads(store.get(key))
+                stacks += [
+                    RankStack(rank, answer["node"], answer["host"], pid, text)
+                    for rank, pid, text in answer["ranks"]
+                ]
+            return JobStacks(tuple(stacks), tuple(missing), f"node {self.node} ({self.host})")
+
+        return await self._call(collect, timeout + self.dead_after)
+
     def _watch_next(self) -> None:
         self._watched = (self._watched + 1) % self.nodes
         self._watched_count, self._watched_since = -1, time.monotonic()
@@ -287,6 +395,7 @@ class JobChannel:
             job_store, key = self._restarts
             job_store.add(key, 1)
         self._store.set(self._key(f"end/{ticket}"), end.to_json())
+        self._store.add(self._key("news"), 1)
         if ticket == 1:
             self._told = True
             return end

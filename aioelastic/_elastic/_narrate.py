@@ -72,7 +72,7 @@ class Narrator:
             return [
                 (
                     logging.INFO,
-                    f"started {len(ranks)} worker(s) (global ranks {_ranges(ranks)}) "
+                    f"started {len(ranks)} worker(s) (global ranks {rank_ranges(ranks)}) "
                     f"in {took:.2f} s",
                 )
             ]
@@ -182,10 +182,20 @@ def _failure(event: WorkerFailed) -> str:
     return line
 
 
-def _ranges(ranks: list[int]) -> str:
-    if ranks and ranks == list(range(ranks[0], ranks[-1] + 1)) and len(ranks) > 2:
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 2, 3, 4, 7, 8]`` -> ``"0,2-4,7,8"``: runs of three or more as a range."""
+    out: list[str] = []
+    run: list[int] = []
+    for rank in [*sorted(ranks), None]:
+        if rank is not None and run and rank == run[-1] + 1:
+            run.append(rank)
+            continue
+        if len(run) > 2:
+            out.append(f"{run[0]}-{run[-1]}")
+        else:
+            out += map(str, run)
+        run = [] if rank is None else [rank]
+    return ",".join(out)
 
 
 def _fields(event: AgentEvent) -> str:

@@ -12,6 +12,9 @@ the way NCCL ranks do, noticing nothing of a dead peer:
 * ``hang``: in an endless wait of their own;
 * ``store``: in a wait on a key nobody sets, on the workers' store at
   ``MASTER_ADDR:MASTER_PORT`` (torch imported).
+
+The worker whose global rank is ``TEST_ODD_RANK`` waits in a function of its own
+(`stuck_elsewhere`), for the grouped stack reports.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import os
 import sys
 import threading
 from datetime import timedelta
+
+
+def stuck_elsewhere() -> None:
+    """Where the odd rank waits."""
+    threading.Event().wait()
 
 
 def main(mode: str, out_dir: str) -> int:
@@ -47,6 +55,8 @@ def main(mode: str, out_dir: str) -> int:
     if failing:
         if store is not None:
             store.wait(["nobody-sets-this"])
+        elif rank == int(os.environ.get("TEST_ODD_RANK", "-1")):
+            stuck_elsewhere()
         else:
             threading.Event().wait()
     print(f"done rank={rank} restart={restart}", flush=True)
