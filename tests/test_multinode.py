@@ -285,3 +285,18 @@ def test_kill_urg_on_any_launcher_prints_every_ranks_stack_grouped(tmp_path: Pat
     written = list((tmp_path / "logs").glob("*/stacks-*.txt"))
     assert len(written) == 1
     assert written[0].read_text().startswith(head[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_global_ranks_filter_shows_those_ranks_on_whichever_node_runs_them(
+    tmp_path: Path,
+) -> None:
+    with job(tmp_path, 2, TEST_FAIL_UNTIL="0") as running:
+        running.start("--ranks-filter=1-2", "--tee=3")
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0], [n.stderr for n in running.launchers]
+    shown = [
+        sorted(int(m.group(1)) for m in map(DONE.search, n.out) if m) for n in running.launchers
+    ]
+    assert shown == [[1], [2]]

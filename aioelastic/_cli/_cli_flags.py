@@ -233,6 +233,16 @@ FLAGS: tuple[Flag, ...] = (
         metavar="RANKS",
     ),
     Flag(
+        ("--ranks-filter",),
+        cli_type(values.global_rank_filter, "RANKS"),
+        "",
+        "Global ranks whose output is shown on the console, on every node (e.g. 0,8-15); "
+        "the others still go to their log files, and their failures are still reported "
+        "in full. With --local-ranks-filter too, a rank is shown when both allow it.",
+        ours=True,
+        metavar="RANKS",
+    ),
+    Flag(
         _both("duplicate-stdout-filters"),
         str,
         "",

@@ -240,6 +240,7 @@ def config_from_args(
             redirects=_union(redirects, tee, nproc),
             tee=tee,
             local_ranks_filter=args.local_ranks_filter,
+            ranks_filter=args.ranks_filter,
             forkserver_preload=args.preload,
             restart_backoff=backoff,
             no_retry_exit_codes=args.no_retry_exit_codes,

@@ -660,6 +660,32 @@ def rank_filter(value: object, nprocs: int | None = None) -> frozenset[int] | No
     return frozenset(ranks)
 
 
+def global_rank_filter(value: object) -> frozenset[int] | None:
+    """Global ranks whose console output is shown: ``"0,8-15"`` or ``{0, 8}``; empty: all.
+
+    The world size is known only after the rendezvous, so ranks beyond it are not refused:
+    they show nothing.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    ranks: set[int] = set()
+    for item in _items(value, "global ranks", "{0, 8}"):
+        try:
+            if isinstance(item, str) and "-" in item.strip()[1:]:
+                first, _, last = item.strip().partition("-")
+                low, high = non_negative_int(first), non_negative_int(last)
+                if low > high:
+                    raise ValueError(item)
+                ranks.update(range(low, high + 1))
+            else:
+                ranks.add(non_negative_int(item))
+        except (ValueError, TypeError):
+            raise ValueError(
+                f"{value!r} is not a comma-separated list of global ranks and ranges (e.g. 0,8-15)"
+            ) from None
+    return frozenset(ranks)
+
+
 def _ranks_text(ranks: Collection[int]) -> str:
     """Ranks as the command line spells them (``0,2``), whichever form they came in."""
     return ",".join(str(rank) for rank in sorted(ranks))

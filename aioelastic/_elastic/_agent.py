@@ -114,6 +114,9 @@ class LocalElasticAgent:
         log_line_prefix_template: the console prefix as a template with ``${role_name}``,
             ``${rank}``, ``${local_rank}``, ``${hostname}``.
         local_ranks_filter: local ranks whose console output is shown (all when None).
+        ranks_filter: global ranks whose console output is shown (all when None), across
+            nodes: ``"0,8-15"`` or a collection; a filtered rank's failure is still
+            reported in full.
         forkserver_preload: modules the fork server imports once; restarts reuse the warm
             server, so a restart costs a fork instead of a fresh interpreter.
         signals_to_handle: signals that stop the run, as torch names them
@@ -162,6 +165,7 @@ class LocalElasticAgent:
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
+        ranks_filter: Collection[int] | str | None = None,
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
@@ -181,6 +185,7 @@ class LocalElasticAgent:
             exit_barrier_timeout=exit_barrier_timeout,
             log_line_prefix_template=log_line_prefix_template,
             local_ranks_filter=local_ranks_filter,
+            ranks_filter=ranks_filter,
             forkserver_preload=forkserver_preload,
             signals_to_handle=signals_to_handle,
             run_id=run_id,
@@ -569,7 +574,7 @@ class LocalElasticAgent:
             tee=self._config.tee,
             grace_period=self._config.shutdown_timeout,
             forkserver_preload=self._config.forkserver_preload,
-            local_ranks_filter=self._config.local_ranks_filter,
+            local_ranks_filter=self._shown_ranks(),
             log_line_prefix=self._config.log_line_prefix_template,
             stall_timeout=self._config.stall_timeout,
         )
@@ -648,6 +653,15 @@ class LocalElasticAgent:
             self._ctx = None
             for worker in group.workers:
                 worker.id = None
+
+    def _shown_ranks(self) -> frozenset[int] | None:
+        """This attempt's local ranks shown on the console (both filters), None for all."""
+        shown = self._config.local_ranks_filter
+        wanted = self._config.ranks_filter
+        if wanted is not None:
+            by_global = {w.local_rank for w in self._group.workers if w.global_rank in wanted}
+            shown = frozenset(by_global if shown is None else by_global & shown)
+        return shown
 
     def _end_of(self, failures: Mapping[int, ProcessFailure]) -> AttemptEnd:
         """What the other nodes are told when this node's workers failed (by local rank)."""

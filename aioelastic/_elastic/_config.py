@@ -38,6 +38,8 @@ class AgentConfig:
         exit_barrier_timeout: seconds a finished node waits for the others.
         log_line_prefix_template: the console prefix template, or None for the default.
         local_ranks_filter: local ranks shown on the console, None for all.
+        ranks_filter: global ranks shown on the console, None for all (with
+            ``local_ranks_filter`` too, a rank is shown when both allow it).
         forkserver_preload: modules the fork server imports once.
         signals: the signals that stop the run.
         exported_signals: the signal list exported to workers as torchrun does, when it
@@ -63,6 +65,7 @@ class AgentConfig:
     exported_signals: str | None
     run_id: str | None
     stall_timeout: float | None = None
+    ranks_filter: frozenset[int] | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
@@ -90,6 +93,7 @@ class AgentConfig:
         exit_barrier_timeout: float = 300.0,
         log_line_prefix_template: str | None = None,
         local_ranks_filter: Collection[int] | None = None,
+        ranks_filter: Collection[int] | str | None = None,
         forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
@@ -140,6 +144,7 @@ class AgentConfig:
                 lambda v: values.rank_filter(v, nprocs),
                 local_ranks_filter,
             ),
+            ranks_filter=values.field("ranks_filter", values.global_rank_filter, ranks_filter),
             forkserver_preload=values.field(
                 "forkserver_preload", values.module_names, tuple(forkserver_preload)
             ),

@@ -59,6 +59,7 @@ _DERIVED_FROM = (
     "exit_barrier_timeout",
     "log_line_prefix_template",
     "local_ranks_filter",
+    "ranks_filter",
     "forkserver_preload",
     "signals_to_handle",
     "stall_timeout",
@@ -162,6 +163,8 @@ class LaunchConfig:
         redirects: streams written to log files (`Std` or per local rank).
         tee: streams also shown on the console.
         local_ranks_filter: local ranks whose console output is shown.
+        ranks_filter: global ranks whose console output is shown, on every node (``"0,8-15"``
+            or a collection); beyond torch, which filters by local rank only.
         forkserver_preload: modules the fork server imports once (``forkserver``).
         exit_barrier_timeout: how long a finished node waits for the others (torch
             hard-codes 300 s).
@@ -205,6 +208,7 @@ class LaunchConfig:
     stall_timeout: float | None = None
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
+    ranks_filter: Collection[int] | str | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -313,6 +317,7 @@ class LaunchConfig:
             exit_barrier_timeout=self.exit_barrier_timeout,
             log_line_prefix_template=self.log_line_prefix_template,
             local_ranks_filter=self.local_ranks_filter,
+            ranks_filter=self.ranks_filter,
             forkserver_preload=self.forkserver_preload,
             signals_to_handle=self.signals_to_handle,
             stall_timeout=self.stall_timeout,
