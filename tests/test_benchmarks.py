@@ -454,3 +454,92 @@ def test_the_scale_figure_of_the_committed_run_is_drawn(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_multinode_is_measure_k_and_quick_runs_only_its_exit_and_sigterm_cases() -> None:
+    from benchmarks._harness import Plan
+    from benchmarks.measures import all_measures, multinode
+
+    letters = [m.letter for m in all_measures()]
+    assert len(letters) == len(set(letters))
+    assert multinode.MEASURE.letter == "k"
+    plan = Plan(measures=[multinode.MEASURE], quick=True)
+    quick = {g.name: [s.label for s in plan.systems_for(g, 2)] for g in multinode.MEASURE.groups}
+    both = ["aioelastic-run", "torchrun --monitor-interval 0.01"]
+    # gloo imports torch in 6 ranks per side and a vanished node takes ours ~8 s: full runs only.
+    assert quick == {"exit": both, "gloo": [], "kill": [], "term": both}
+    for group in multinode.MEASURE.groups:
+        assert group.params["cap"] == 60.0
+        assert group.quick_params["cap"] == 10.0
+
+
+def test_multinode_finds_every_process_of_a_launchers_session() -> None:
+    from benchmarks.measures.multinode import _session
+
+    # A leader and its child in a session of their own, as each node's launcher runs.
+    leader = subprocess.Popen(
+        ["/bin/sh", "-c", "/bin/sleep 60 & echo $!; wait"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert leader.stdout is not None
+        child = int(leader.stdout.readline())
+        assert sorted(_session(leader.pid)) == sorted([leader.pid, child])
+        assert os.getpid() not in _session(leader.pid)
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait(timeout=10)
+        assert leader.stdout is not None
+        leader.stdout.close()
+
+
+def test_multinode_stamps_each_exit_and_gives_up_at_the_deadline() -> None:
+    from benchmarks._util import now_ns
+    from benchmarks.measures.multinode import _wait_exits
+
+    quick = subprocess.Popen(["/bin/true"])
+    stays = subprocess.Popen(["/bin/sleep", "60"])
+    fds = [os.pidfd_open(quick.pid), os.pidfd_open(stays.pid)]
+    try:
+        before = now_ns()
+        ended = _wait_exits(fds[:1], before + 10**10)
+        assert ended is not None
+        assert before < ended[fds[0]] <= now_ns()
+        assert _wait_exits(fds, now_ns() + 50_000_000) is None  # 50 ms: sleep still runs
+    finally:
+        stays.kill()
+        for proc in (quick, stays):
+            proc.wait(timeout=10)
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_quick_multinode_times_ours_and_stops_torchrun_at_the_cap(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = _run("--quick", "--only", "multinode", "--json", str(out), timeout=170)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    document = json.loads(out.read_text())
+    # Every launcher, worker and torchrun worker (each in a session of its own) is gone.
+    assert document["meta"]["leaked_pids"] == []
+    series = {(s["group"], s["system"]): s for s in document["series"]}
+    assert set(series) == {
+        (group, system)
+        for group in ("exit", "term")
+        for system in ("aioelastic-run", "torchrun --monitor-interval 0.01")
+    }
+    for group in ("exit", "term"):
+        ours = series[(group, "aioelastic-run")]
+        assert ours["status"] == "ok", ours
+        (sample,) = ours["samples"]
+        assert 0 < sample["stopped"] <= sample["seconds"] < 10.0
+        # torchrun's other nodes learn of the failure only through their ranks: never here.
+        theirs = series[(group, "torchrun --monitor-interval 0.01")]
+        assert (theirs["status"], theirs["samples"], theirs["timeouts"]) == ("ok", [], [10.0])
+    assert "| exit, the others wait silently | 2 | seconds, ms to every launcher's exit |" in (
+        proc.stdout
+    )
+    assert "| > 10000 | torchrun --monitor-interval 0.01 | >" in proc.stdout

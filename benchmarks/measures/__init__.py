@@ -1,4 +1,4 @@
-"""The measures of the suite, in the order they run and print (issue #7's a..h, then i, j)."""
+"""The measures of the suite, in the order they run and print (issue #7's a..h, then i..k)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from benchmarks.measures import (
     floor,
     idle,
     launcher,
+    multinode,
     restart,
     scale,
     startup,
@@ -32,4 +33,5 @@ def all_measures() -> list[Measure]:
         tee.MEASURE,
         launcher.MEASURE,
         scale.MEASURE,
+        multinode.MEASURE,
     ]
