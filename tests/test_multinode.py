@@ -150,6 +150,7 @@ def test_a_failed_rank_ends_every_node_although_its_peers_notice_nothing(
         assert "stopped: node 2 (127.0.0.3) failed: rank 5 exited 7" in stderr, stderr
         assert "host      : 127.0.0.3" in stderr
     assert "rank      : 5 (local_rank: 1)" in running.launchers[2].stderr
+    assert "host      : 127.0.0.3" in running.launchers[2].stderr
 
 
 @pytest.mark.slow

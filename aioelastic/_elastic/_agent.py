@@ -464,6 +464,10 @@ class LocalElasticAgent:
         fatal: list[ProcessFailure] = []
         if isinstance(outcome, RunProcsResult):
             failures = {group.workers[lr].global_rank: f for lr, f in outcome.failures.items()}
+            if channel is not None:
+                # Named as the other nodes name this one (--local-addr), in every report.
+                for failure in failures.values():
+                    failure.host = failure.host or channel.host
             fatal = [f for f in failures.values() if f.exitcode in spec.no_retry_exit_codes]
             cause = watched.cause
         else:
