@@ -56,7 +56,20 @@ PROG = "aioelastic-run"
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """The console script: run the job described by ``argv`` and exit with its status."""
-    sys.exit(run(argv))
+    code = run(argv)
+    if "aioelastic._elastic._rdzv_thread" in sys.modules:
+        from ._elastic._rdzv_thread import calls_in_flight
+
+        if calls_in_flight():
+            # A rendezvous or store call abandoned on its daemon thread (a store that
+            # stopped answering) is still inside torch's C++ code: tearing the interpreter
+            # down under it can abort the process (SIGABRT, SIGSEGV) and lose the exit
+            # status. Everything of ours is done; leave without the interpreter's teardown.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    sys.exit(code)
 
 
 def run(argv: Sequence[str] | None = None) -> int:

@@ -301,3 +301,26 @@ def test_the_global_ranks_filter_shows_those_ranks_on_whichever_node_runs_them(
         sorted(int(m.group(1)) for m in map(DONE.search, n.out) if m) for n in running.launchers
     ]
     assert shown == [[1], [2]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=1")
+        pids = running.ready()
+        host = running.launchers[0]
+        killed_at = time.monotonic()
+        os.killpg(host.proc.pid, signal.SIGKILL)
+        for rank in (0, 1):
+            os.kill(pids[rank], signal.SIGKILL)
+        ends = running.finish()
+        took = _ended_within(ends[1:], killed_at)
+        # The store's silence is given 10 s (an etcd election fails requests for up to 7 s).
+        assert all(t < 2 * BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    for node in (1, 2):
+        launcher = running.launchers[node]
+        assert ends[node][0] == 1, launcher.stderr
+        assert "lost the rendezvous store" in launcher.stderr, launcher.stderr
+        assert "a single point of failure: use --rdzv-backend etcd-v2" in launcher.stderr

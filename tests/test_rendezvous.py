@@ -426,3 +426,22 @@ async def test_a_backend_registered_by_the_user_gets_its_options_as_given(
         await create_rdzv_handler("c10d", "127.0.0.1:0", "job", 1, 1, **options)
     await create_rdzv_handler("aioelastic-test", "127.0.0.1:0", "job", 1, 1, **options)
     assert seen == [options]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("backend", ["etcd", "etcd-v2"])
+async def test_an_etcd_backend_without_its_client_names_the_package_to_install(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from aioelastic import create_rdzv_handler
+
+    # The client is installed here (the dev extra): its absence is what is simulated.
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "etcd" else real(name, *a)
+    )
+    with pytest.raises(RuntimeError, match=r"pip install 'aioelastic\[etcd\]'"):
+        await create_rdzv_handler(backend, "127.0.0.1:2379", "job", 1, 1)

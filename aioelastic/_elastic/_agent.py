@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Collection, Mapping
 from contextlib import AsyncExitStack
@@ -311,11 +312,15 @@ class LocalElasticAgent:
             self._output.close()
             self._drop_empty_temporary_logs()
 
-    async def _dump_stacks(self) -> str:
+    async def _dump_stacks(self) -> str | dict[int, str]:
         """``kill -URG`` on the agent: every rank's stacks across the job (docs/hangs.md).
 
-        The report is also written to the log directory (``stacks-<time>.txt``).
+        On several nodes the grouped report, also written to the log directory
+        (``stacks-<time>.txt``); on one node each local rank's stack, as before.
         """
+        channel, ctx = self._channel, self._ctx
+        if channel is None or channel.nodes == 1:
+            return await ctx.dump_stacks() if ctx is not None else {}
         report = (await self.job_stacks()).format()
         if self._log_root is not None:
             name = time.strftime("stacks-%Y%m%d-%H%M%S.txt")
@@ -338,7 +343,7 @@ class LocalElasticAgent:
         if channel is not None and self._ctx is not None:
             return await channel.gather_stacks(self._capture_stacks)
         stacks = [
-            RankStack(rank, self._group.group_rank or 0, "localhost", pid, text)
+            RankStack(rank, self._group.group_rank or 0, socket.gethostname(), pid, text)
             for rank, pid, text in await self._capture_stacks()
         ]
         return JobStacks(tuple(stacks))

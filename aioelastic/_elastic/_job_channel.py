@@ -33,7 +33,7 @@ within one beat plus a round trip; a vanished node within `DEAD_AFTER` plus a be
 
 The store calls block, so they run on a daemon thread of the channel's own (not the
 rendezvous handler's: a join or a poll stuck on a dead store must not delay a beat), and
-each beat is bounded: a store that answers nothing for `DEAD_AFTER` seconds ends the
+each beat is bounded: a store that answers nothing for `STORE_LOST_AFTER` seconds ends the
 attempt as lost (for ``c10d`` the store lives in the first node's launcher, a single point
 of failure that etcd does not have).
 """
@@ -44,6 +44,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -59,6 +60,7 @@ from ._rdzv_thread import SerialThread
 __all__ = [
     "BEAT",
     "DEAD_AFTER",
+    "STORE_LOST_AFTER",
     "STACKS_TIMEOUT",
     "AttemptEnd",
     "Capture",
@@ -73,7 +75,15 @@ BEAT = 0.5
 """Seconds between two beats: a bump of this node's counter and a look at the others."""
 
 DEAD_AFTER = 5.0
-"""Seconds a watched node's counter may stay still (or the store silent) before it is lost."""
+"""Seconds a watched node's counter may stay still, the store answering, before it is lost."""
+
+STORE_LOST_AFTER = 10.0
+"""Seconds the store may fail or stay silent before the attempt ends as lost.
+
+Longer than `DEAD_AFTER`: an etcd cluster that loses its leader fails the requests caught
+in the election after its request timeout (5 s plus two election timeouts: 7 s at etcd's
+defaults) and then answers again; that is not a lost store.
+"""
 
 STACKS_TIMEOUT = 10.0
 """Seconds a node may take to capture its ranks' stacks, and the asker waits for all."""
@@ -187,6 +197,8 @@ class JobChannel:
             before it joins the next round, so every node reads the new count in it.
         beat: seconds between beats (`BEAT`).
         dead_after: seconds of stillness after which a watched node is lost (`DEAD_AFTER`).
+        store_lost_after: seconds of store failures after which the attempt ends
+            (`STORE_LOST_AFTER`); also the bound of each store call.
     """
 
     def __init__(
@@ -200,6 +212,7 @@ class JobChannel:
         restarts: tuple[Store, str] | None = None,
         beat: float = BEAT,
         dead_after: float = DEAD_AFTER,
+        store_lost_after: float = STORE_LOST_AFTER,
     ) -> None:
         self._store = store
         self._scope = scope
@@ -209,6 +222,7 @@ class JobChannel:
         self._restarts = restarts
         self.beat = beat
         self.dead_after = dead_after
+        self.store_lost_after = store_lost_after
         self._thread = SerialThread(f"aioelastic-job-{scope}")
         # The ring: the next node this one watches, its counter and when it last moved.
         self._watched = (node + 1) % nodes
@@ -243,14 +257,14 @@ class JobChannel:
             self._store.set(self._key(f"host/{self.node}"), self.host)
             self._store.add(self._key(f"alive/{self.node}"), 1)
 
-        await self._call(hello, self.dead_after)
+        await self._call(hello, self.store_lost_after)
 
     async def watch(self, capture: Capture | None = None) -> AttemptEnd:
         """Beat until another node ends the attempt or one is lost; why (the root cause).
 
         Meanwhile answers the other nodes' requests for stacks with ``capture()``. Never
         returns for a node alone in its round. A store that stays silent or failing for
-        ``dead_after`` seconds is an end too (`EndReason.STORE_LOST`).
+        ``store_lost_after`` seconds is an end too (`EndReason.STORE_LOST`).
         """
         if self.nodes == 1:
             await anyio.sleep_forever()  # a node alone: nobody to hear from
@@ -258,12 +272,15 @@ class JobChannel:
         while True:
             await anyio.sleep(self.beat)
             try:
-                end = await self._call(self._beat, self.dead_after)
+                end = await self._call(self._beat, self.store_lost_after)
             except Exception as e:
                 now = time.monotonic()
                 failing_since = failing_since or now
-                # A beat that hung for dead_after already counts as that long.
-                if isinstance(e, TimeoutError) or now - failing_since >= self.dead_after:
+                # While the store fails nobody's counter can move: judge stillness afresh
+                # once it answers again, not across the outage.
+                self._watched_since = math.inf
+                # A beat that hung for store_lost_after already counts as that long.
+                if isinstance(e, TimeoutError) or now - failing_since >= self.store_lost_after:
                     return self._store_lost(e)
                 logger.debug("job channel beat failed: %s", e)
                 continue
@@ -295,7 +312,7 @@ class JobChannel:
         if count >= _DONE:
             self._watch_next()
             return None
-        if count != self._watched_count:
+        if count != self._watched_count or self._watched_since == math.inf:
             self._watched_count, self._watched_since = count, now
             return None
         if now - self._watched_since < self.dead_after:
@@ -325,7 +342,7 @@ class JobChannel:
                     stacks = await capture()
             except Exception as e:
                 logger.warning("could not capture this node's stacks: %s", e)
-        await self._call(lambda: self._answer(request, stacks), self.dead_after)
+        await self._call(lambda: self._answer(request, stacks), self.store_lost_after)
 
     def _answer(self, request: int, stacks: list[tuple[int, int, str]]) -> None:
         store = self._store
@@ -350,14 +367,14 @@ class JobChannel:
             self._store.add(self._key("news"), 1)
             return request
 
-        request = await self._call(ask, self.dead_after)
+        request = await self._call(ask, self.store_lost_after)
         try:
             with anyio.fail_after(STACKS_TIMEOUT):
                 own = await capture()
         except Exception as e:
             logger.warning("could not capture this node's stacks: %s", e)
             own = []
-        await self._call(lambda: self._answer(request, own), self.dead_after)
+        await self._call(lambda: self._answer(request, own), self.store_lost_after)
 
         def collect() -> JobStacks:
             store = self._store
@@ -383,7 +400,7 @@ class JobChannel:
                 ]
             return JobStacks(tuple(stacks), tuple(missing), f"node {self.node} ({self.host})")
 
-        return await self._call(collect, timeout + self.dead_after)
+        return await self._call(collect, timeout + self.store_lost_after)
 
     def _watch_next(self) -> None:
         self._watched = (self._watched + 1) % self.nodes
@@ -426,13 +443,13 @@ class JobChannel:
         """Tell every node that this one ends the attempt; the root cause of the end.
 
         The root cause is ``end`` itself unless another node ended the attempt first.
-        Bounded by ``timeout`` (default ``dead_after``): a store that does not answer
+        Bounded by ``timeout`` (default ``store_lost_after``): a store that does not answer
         leaves ``end`` as the root cause, logged.
         """
         if self._ended is not None:
             return self._ended
         try:
-            self._ended = await self._call(lambda: self._end(end), timeout or self.dead_after)
+            self._ended = await self._call(lambda: self._end(end), timeout or self.store_lost_after)
         except Exception as e:
             logger.warning("could not tell the other nodes why this node ended: %s", e)
             self._ended = end
@@ -441,7 +458,7 @@ class JobChannel:
     async def cause(self, known: AttemptEnd) -> AttemptEnd:
         """The attempt's root cause read afresh (every end so far), else ``known``."""
         try:
-            return await self._call(self._root_cause, self.dead_after)
+            return await self._call(self._root_cause, self.store_lost_after)
         except Exception as e:
             logger.warning("could not read why the other nodes ended: %s", e)
             return known
@@ -471,7 +488,8 @@ class JobChannel:
         """This node's workers all succeeded: its silence from now on is not death."""
         try:
             await self._call(
-                lambda: self._store.add(self._key(f"alive/{self.node}"), _DONE), self.dead_after
+                lambda: self._store.add(self._key(f"alive/{self.node}"), _DONE),
+                self.store_lost_after,
             )
         except Exception as e:
             logger.warning("could not tell the other nodes this node finished: %s", e)
@@ -487,9 +505,9 @@ class JobChannel:
             host=self.host,
             reason=EndReason.STORE_LOST,
             detail=(
-                f"the rendezvous store gave {why} for {self.dead_after:g} s; with c10d it "
+                f"the rendezvous store gave {why} for {self.store_lost_after:g} s; with c10d it "
                 "lives in the first node's launcher, a single point of failure: use "
-                "--rdzv-backend etcd for a job that must survive it"
+                "--rdzv-backend etcd-v2 (or etcd) for a job that must survive it"
             ),
             final=True,
             exitcode=1,

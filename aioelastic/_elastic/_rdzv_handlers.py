@@ -11,6 +11,7 @@ torch is imported only when a handler is created.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -84,6 +85,14 @@ async def create_rdzv_handler(
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     _validate_nodes(min_nodes, max_nodes)
     values.rdzv_options(backend, config)
+    if backend in ("etcd", "etcd-v2") and importlib.util.find_spec("etcd") is None:
+        # torch's own message names a module called 'etcd', and the PyPI package of that
+        # name is another client that torch cannot use.
+        raise RuntimeError(
+            f"the {backend!r} rendezvous backend needs the python-etcd client on every node: "
+            "pip install 'aioelastic[etcd]' (the PyPI package named 'etcd' is another "
+            "client)"
+        )
 
     def create() -> RendezvousHandler:
         from torch.distributed.elastic.rendezvous import RendezvousParameters

@@ -426,8 +426,8 @@ def _job_restarts(
 ) -> tuple[Store, str] | None:
     """Where the job counts its restarts: a store every round shares, and the key.
 
-    A round's store is torch's ``PrefixStore`` over the job's store (``c10d``, ``etcd``);
-    torch's ``etcd-v2`` handler gives an etcd store per round, so the count goes in an
+    A round's store is torch's ``PrefixStore`` over the job's store (``c10d``, ``etcd-v2``);
+    torch's ``etcd`` handler gives an etcd store per round, so the count goes in an
     etcd directory of the run's own. ``None`` for a handler with neither (a custom one).
     """
     underlying = getattr(store, "underlying_store", None)

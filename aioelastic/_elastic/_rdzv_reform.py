@@ -1,6 +1,6 @@
 """After a node was lost: the next round forgets it at once and closes when every survivor is in.
 
-torch's dynamic rendezvous (``c10d``, ``etcd``) learns that a node is gone only when the node's
+torch's dynamic rendezvous (``c10d``, ``etcd-v2``) learns that a node is gone only when the node's
 keep-alive expires (``keep_alive_interval`` x ``keep_alive_max_attempt``, 15 s by default):
 until then the round it took part in stays complete, and the survivors wait on its wait
 list. The new round then waits out its last call (``last_call_timeout``, 30 s), which is
@@ -19,7 +19,7 @@ the next round it:
    join loops, torch's own, then close it. A newcomer that joins first is simply one more
    participant; one that comes later waits for the next round, as with torch.
 
-Both steps use torch's private state holder; where it is not there (``etcd-v2``, a custom
+Both steps use torch's private state holder; where it is not there (``etcd``, a custom
 handler, another torch version) they do nothing and torch's timeouts apply.
 """
 

@@ -25,14 +25,28 @@ import asyncio
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["SerialThread", "on_daemon_thread"]
+__all__ = ["SerialThread", "calls_in_flight", "on_daemon_thread"]
 
 logger = logging.getLogger("aioelastic.rendezvous")
 
 _T = TypeVar("_T")
+
+# Every SerialThread of the process, for calls_in_flight().
+_ALL: weakref.WeakSet[SerialThread] = weakref.WeakSet()
+
+
+def calls_in_flight() -> int:
+    """How many blocking calls are still running on a SerialThread (abandoned ones too).
+
+    A program about to exit checks this: a store call still blocked in torch's C++ code
+    when the interpreter shuts down can end the process with an abort (SIGABRT) instead of
+    its exit status, so such a program ends with ``os._exit`` instead (see `run`).
+    """
+    return sum(thread.running for thread in list(_ALL))
 
 
 class SerialThread:
@@ -52,6 +66,9 @@ class SerialThread:
         ] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        #: Whether a call is running on the thread right now.
+        self.running = False
+        _ALL.add(self)
 
     async def call(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn()`` on the thread after the calls before it; its result or its error.
@@ -83,10 +100,13 @@ class SerialThread:
                 # Abandoned before it started: nobody wants it, and not running it lets
                 # the calls queued behind it go sooner.
                 continue
+            self.running = True
             try:
                 result, error = fn(), None
             except BaseException as e:
                 result, error = None, e
+            finally:
+                self.running = False
             try:
                 loop.call_soon_threadsafe(_settle, future, result, error)
             except RuntimeError:
