@@ -240,13 +240,16 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["hang", "gloo"])
 def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaults(
-    tmp_path: Path,
+    tmp_path: Path, mode: str
 ) -> None:
     # --nnodes 2:3, torch's keep-alive (15 s) and last call (30 s) left at their defaults:
-    # the survivors forget the lost node at once and close the new round as soon as both
-    # are in, instead of waiting out about 45 s.
-    with job(tmp_path, 3) as running:
+    # the survivors forget the lost node and close the new round as soon as both are in,
+    # instead of waiting out about 45 s. With gloo the survivors' ranks fail by themselves
+    # first (before the node counts as vanished): the lost node is found silent while
+    # the survivors rejoin.
+    with job(tmp_path, 3, mode=mode, TEST_HOLD_RANKS="4,5") as running:
         running.start("--max-restarts=1", nnodes="2:3", last_call=False)
         pids = running.ready()
         victim = running.launchers[2]

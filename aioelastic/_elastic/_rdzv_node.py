@@ -230,6 +230,7 @@ class Rendezvous:
         # group ranks seen vanishing since: the next join forgets them (`_rdzv_reform`).
         self._members: tuple[int, dict[Any, int]] | None = None
         self._lost: set[int] = set()
+        self._reform = False
 
     @property
     def use_agent_store(self) -> bool:
@@ -344,12 +345,17 @@ class Rendezvous:
             self._restarts += 1
         if end.reason == EndReason.VANISHED:
             self._lost.add(end.node)
+        # Every node of the previous round rejoins now: the next join closes its round as
+        # soon as they are in, and forgets one that stays silent (`_rdzv_reform`).
+        self._reform = True
 
     @contextlib.contextmanager
     def _reforming(self) -> Iterator[None]:
-        """Around a join after nodes vanished: forget them, close when survivors are in."""
+        """Around a join after an attempt ended: forget vanished nodes, close the round
+        when the survivors are in."""
         lost, self._lost = self._lost, set()
-        if not lost or self._members is None:
+        after_end, self._reform = self._reform, False
+        if not after_end or self._members is None:
             yield
             return
         last_round, members = self._members

@@ -87,19 +87,33 @@ def forget_node(handler: Any, node: Any) -> None:
 def survivors_closing_round(handler: Any, survivors: set[Any], after_round: int) -> Iterator[None]:
     """While the body joins the next round: close it once every survivor is in.
 
+    A member of the previous round that never comes back — its keep-alive in torch's state
+    older than one keep-alive interval and a second while the others rejoin — is taken
+    for lost too and forgotten (a node SIGKILLed while this one's own workers failed first:
+    gloo ranks notice a dead peer before the job channel calls it vanished).
+
     Args:
         handler: torch's handler the body joins with.
-        survivors: the node descriptors of the previous round that are still alive.
+        survivors: the node descriptors of the previous round thought alive (this one's
+            among them).
         after_round: the previous round's number (its own state is never touched).
     """
     holder = _holder(handler)
     if holder is None or not survivors:
         yield
         return
+    settings = getattr(handler, "_settings", None)
+    interval = getattr(settings, "keep_alive_interval", None)
+    stale = (
+        interval + datetime.timedelta(seconds=1)
+        if isinstance(interval, datetime.timedelta)
+        else None
+    )
+    this_node = getattr(handler, "_this_node", None)
     done = threading.Event()
     watcher = threading.Thread(
         target=_close_when_all_in,
-        args=(copy.copy(holder), survivors, after_round, done),
+        args=(copy.copy(holder), set(survivors), this_node, stale, after_round, done),
         name="aioelastic-rdzv-reform",
         daemon=True,
     )
@@ -112,7 +126,12 @@ def survivors_closing_round(handler: Any, survivors: set[Any], after_round: int)
 
 
 def _close_when_all_in(
-    holder: Any, survivors: set[Any], after_round: int, done: threading.Event
+    holder: Any,
+    survivors: set[Any],
+    this_node: Any,
+    stale: datetime.timedelta | None,
+    after_round: int,
+    done: threading.Event,
 ) -> None:
     # A copy of torch's holder: its own state and token, the same backend. Reads and
     # compare-and-sets like any node would; never touches the handler's own holder.
@@ -124,11 +143,15 @@ def _close_when_all_in(
             state = holder.state
             if state.closed or (state.round > after_round and state.complete):
                 return  # formed (or closed) without needing us
+            now = datetime.datetime.now(datetime.timezone.utc)
+            if stale is not None and _forget_silent(
+                holder, survivors, this_node, now - stale, after_round
+            ):
+                continue  # written: read the state again
             if state.round <= after_round:
                 continue  # the old round, not yet left by every survivor
             if state.deadline is None or not survivors <= set(state.participants):
                 continue
-            now = datetime.datetime.now(datetime.timezone.utc)
             if state.deadline <= now:
                 return
             state.deadline = now
@@ -138,3 +161,36 @@ def _close_when_all_in(
                 return
     except Exception as e:
         logger.debug("could not close the round early: %s", e)
+
+
+def _forget_silent(
+    holder: Any,
+    survivors: set[Any],
+    this_node: Any,
+    before: datetime.datetime,
+    after_round: int,
+) -> bool:
+    """Forget the survivors not back for the next round whose keep-alive is from before
+    ``before``; whether the state was written."""
+    state = holder.state
+    # Back: waiting for the next round (the old one still complete) or in the new one.
+    back = set(state.wait_list)
+    if state.round > after_round:
+        back |= set(state.participants)
+    silent = [
+        node
+        for node in survivors
+        if node != this_node
+        and node not in back
+        and (node not in state.last_heartbeats or state.last_heartbeats[node] < before)
+    ]
+    if not silent:
+        return False
+    for node in silent:
+        survivors.discard(node)
+        if node in state.last_heartbeats:
+            state.last_heartbeats[node] = _EPOCH
+            logger.info("rendezvous: forgot node %s, silent since its round ended", node)
+    holder.mark_dirty()
+    holder.sync()
+    return True

@@ -30,9 +30,36 @@ def stuck_elsewhere() -> None:
     threading.Event().wait()
 
 
+def gloo(rank: int, restart: int) -> int:
+    """``gloo`` mode: in attempt 0 every rank all_reduces once and says ready, then the
+    ranks in ``TEST_HOLD_RANKS`` wait while the others block in a second all_reduce — which
+    gloo fails by itself once a held rank's node is gone; later attempts say ready as they
+    start, all_reduce once and are done."""
+    if restart > 0:  # running again: what a recovery is timed to
+        print(f"ready rank={rank} restart={restart} pid={os.getpid()}", flush=True)
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    value = torch.tensor([1.0])
+    dist.all_reduce(value)
+    if restart == 0:
+        print(f"ready rank={rank} restart={restart} pid={os.getpid()}", flush=True)
+        held = {int(r) for r in os.environ.get("TEST_HOLD_RANKS", "").split(",") if r}
+        if rank in held:
+            threading.Event().wait()
+        dist.all_reduce(value)
+        return 3  # not reached: a held rank never joins this one
+    print(f"done rank={rank} restart={restart} world={int(value.item())}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def main(mode: str, out_dir: str) -> int:
     rank = int(os.environ["RANK"])
     restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if mode == "gloo":
+        return gloo(rank, restart)
     fail_rank = int(os.environ.get("TEST_FAIL_RANK", "-1"))
     fail_until = int(os.environ.get("TEST_FAIL_UNTIL", "1"))
     store = None
