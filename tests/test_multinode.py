@@ -114,6 +114,14 @@ class Job:
             ends.append((code, time.monotonic()))
         return ends
 
+    def kill_node(self, node: int, pids: dict[int, int]) -> float:
+        """SIGKILL node ``node``'s launcher and its workers, as when a machine is lost; when."""
+        killed_at = time.monotonic()
+        os.killpg(self.launchers[node].proc.pid, signal.SIGKILL)
+        for rank in (2 * node, 2 * node + 1):
+            os.kill(pids[rank], signal.SIGKILL)
+        return killed_at
+
     def kill_all(self) -> None:
         for launcher in self.launchers:
             if launcher.proc.poll() is None:
@@ -222,12 +230,7 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
     with job(tmp_path, 3) as running:
         running.start("--max-restarts=0")
         pids = running.ready()
-        victim = running.launchers[2]
-        killed_at = time.monotonic()
-        # The launcher and its workers, as when a machine is lost.
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        for rank in (4, 5):
-            os.kill(pids[rank], signal.SIGKILL)
+        killed_at = running.kill_node(2, pids)
         ends = running.finish()
         took = _ended_within(ends[:2], killed_at)
         assert all(t < BOUND for t in took), took
@@ -253,10 +256,7 @@ def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaul
         running.start("--max-restarts=1", nnodes="2:3", last_call=False)
         pids = running.ready()
         victim = running.launchers[2]
-        killed_at = time.monotonic()
-        os.killpg(victim.proc.pid, signal.SIGKILL)
-        for rank in (4, 5):
-            os.kill(pids[rank], signal.SIGKILL)
+        killed_at = running.kill_node(2, pids)
         running.launchers = running.launchers[:2]
         again = running.ready(restart=1)
         took = time.monotonic() - killed_at
@@ -316,11 +316,7 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
     with job(tmp_path, 3) as running:
         running.start("--max-restarts=1")
         pids = running.ready()
-        host = running.launchers[0]
-        killed_at = time.monotonic()
-        os.killpg(host.proc.pid, signal.SIGKILL)
-        for rank in (0, 1):
-            os.kill(pids[rank], signal.SIGKILL)
+        killed_at = running.kill_node(0, pids)
         ends = running.finish()
         took = _ended_within(ends[1:], killed_at)
         # The store's silence is given 10 s (an etcd election fails requests for up to 7 s).
