@@ -47,7 +47,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _pcontext, _platform
+from aioelastic._core import _platform, _preparing
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.waits import ReadyFifo
@@ -334,7 +334,7 @@ async def test_cancel_anywhere_between_the_slices_of_a_binary_start(
 ) -> None:
     """Binaries are handed to the watchdog in slices of the event loop; a cancellation
     between two records and stops the ones handed over, and starts no other."""
-    monkeypatch.setattr(_pcontext, "_SLICE", 0.0)  # every worker a slice of its own
+    monkeypatch.setattr(_preparing, "SLICE", 0.0)  # every worker a slice of its own
     fifo = _Fifo(tmp_path)
 
     async def scenario(run: Run) -> None:

@@ -428,7 +428,7 @@ def audit_files(rnd: Round, log_root: Path | None, audit: Audit) -> None:
 
 
 def audit_temp_dirs(rnd: Round, tmp: Path, before: set[str], audit: Audit) -> Path | None:
-    """The rule of _pcontext._remove_temporary_logs: a temp dir is kept iff it holds a file.
+    """The rule of _preparing.GroupFiles.remove_temporary: a temp dir is kept iff it holds a file.
 
     Returns the round's temporary log directory, if one was kept.
     """

@@ -533,7 +533,7 @@ class LocalElasticAgent:
             stall_timeout=self._config.stall_timeout,
         )
         self._output.new_attempt()
-        ctx._share_output(
+        ctx.share_output(
             self._output,
             {w.local_rank: w.global_rank for w in group.workers},
             self._restart_count,
