@@ -77,6 +77,31 @@ async def test_binary_workers_succeed() -> None:
     assert result.return_values == {0: None, 1: None, 2: None}
 
 
+async def test_a_group_and_its_workers_say_what_they_are_and_where_they_stand(
+    tmp_path: Path,
+) -> None:
+    ready = ReadyFifo(tmp_path)
+    ctx = aioelastic.start_processes(
+        "shown", core.block_forever, {0: (str(ready.path),)}, envs(1), grace_period=5
+    )
+    assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 new started=0>"
+    try:
+        async with ctx:
+            await ready.lines(1)
+            assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 running started=1>"
+            (worker,) = ctx._workers
+            assert repr(worker) == f"<WorkerProcess local_rank=0 pid={worker.pid} running>"
+            await ctx.close()
+            assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 closed started=1>"
+            assert repr(worker) == (
+                f"<WorkerProcess local_rank=0 pid={worker.pid} stopped exitcode=-15>"
+            )
+    finally:
+        ready.close()
+    binaries = aioelastic.start_processes("b", "true", {0: ()}, envs(1))
+    assert repr(binaries) == "<PContext 'b' binary nprocs=1 new started=0>"
+
+
 @pytest.mark.parametrize("method", METHODS)
 async def test_env_applied_in_worker_and_parent_untouched(method: str) -> None:
     before = dict(os.environ)

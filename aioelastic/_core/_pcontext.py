@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import enum
 import logging
 import os
 import signal
@@ -54,6 +55,23 @@ logger = logging.getLogger("aioelastic")
 IO_DRAIN_TIMEOUT = 2.0
 
 
+class Phase(enum.IntEnum):
+    """Where a group is in its life. It only moves forward."""
+
+    #: Made; nothing exists yet.
+    NEW = 0
+    #: Entered: its files are made, then its workers started.
+    STARTING = 1
+    #: Every worker started.
+    RUNNING = 2
+    #: The teardown has begun or is scheduled (a failure, a stall, ``close()``).
+    STOPPING = 3
+    #: Every worker stopped and reaped; its output is being finished.
+    STOPPED = 4
+    #: Output finished, files removed: nothing of the group is left.
+    CLOSED = 5
+
+
 class PContext:
     """A running group of local workers (an async context manager).
 
@@ -74,19 +92,16 @@ class PContext:
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
-        self._entered = False
-        self._started = False
+        self._phase = Phase.NEW
         self._tg: anyio.abc.TaskGroup | None = None
         #: The context the workers' exit callbacks run in (made in the loop, when started).
         self._callbacks = contextvars.Context()
         self._io_scopes: list[anyio.CancelScope] = []
         self._done = anyio.Event()
-        self._stopping = False
-        self._stop_scheduled = False
-        self._closing = False
+        #: How many times close() was called: a second call escalates.
+        self._close_calls = 0
         self._stopped = anyio.Event()
         self._escalate = anyio.Event()
-        self._io_finished = False
         # Kept as each worker settles, so that an exit costs the same whatever N is: a
         # scan of every worker per exit made a group's end quadratic in its size.
         #: Whether any worker failed (from its exit on; its report may still be built).
@@ -107,6 +122,13 @@ class PContext:
     def pids(self) -> dict[int, int]:
         """Pid of each started worker, by local rank."""
         return {w.local_rank: w.pid for w in self._ranked()}
+
+    def __repr__(self) -> str:
+        started = len(self._workers)
+        return (
+            f"<PContext {self.name!r} {self._method.name} nprocs={self.nprocs} "
+            f"{self._phase.name.lower()} started={started}>"
+        )
 
     def output(
         self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
@@ -151,9 +173,9 @@ class PContext:
 
     async def __aenter__(self) -> PContext:
         require_asyncio("start_processes()")
-        if self._entered:
+        if self._phase is not Phase.NEW:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
-        self._entered = True
+        self._phase = Phase.STARTING
         _platform.ensure_default_sigchld()
         prepared = await self._open_and_prepare()
         try:
@@ -178,7 +200,8 @@ class PContext:
             await self.close()
             await self._tg.__aexit__(None, None, None)
             raise exc
-        self._started = True
+        if self._phase is Phase.STARTING:  # not stopped while starting
+            self._phase = Phase.RUNNING
         if self._hangs.watching:
             self._tg.start_soon(self._run_hangs)
         if self._output.owned:
@@ -299,10 +322,10 @@ class PContext:
     def _stop_if_failed(self) -> None:
         # A failed group is torn down the moment the failure is seen, whether or not
         # anyone is in wait() right now.
-        if self._failed() and self._started and not self._stop_scheduled:
-            self._stop_scheduled = True
+        if self._failed() and self._phase is Phase.RUNNING:
+            self._phase = Phase.STOPPING
             assert self._tg is not None
-            self._tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period)
+            self._tg.start_soon(self._teardown, signal.SIGTERM, self._spec.grace_period)
 
     # -- hangs ------------------------------------------------------------------------
 
@@ -335,7 +358,7 @@ class PContext:
             lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
         )
         self._hang_scope = anyio.CancelScope()
-        if self._stopping:
+        if self._phase >= Phase.STOPPING:
             return
         with self._hang_scope:
             await self._hangs.run(hooks)
@@ -352,7 +375,7 @@ class PContext:
         because another task called :meth:`close` first gets a result with
         ``stopped=True`` (see :class:`RunProcsResult`).
         """
-        if not self._entered:
+        if self._phase is Phase.NEW:
             raise RuntimeError("wait() needs the workers started: use 'async with' first")
         if timeout is None:
             await self._done.wait()
@@ -373,7 +396,7 @@ class PContext:
         closed. For telling others at once (the elastic agent tells the other nodes);
         :meth:`wait` gives the final result, after the teardown.
         """
-        if not self._entered:
+        if self._phase is Phase.NEW:
             raise RuntimeError("first_failures() needs the workers started: use 'async with'")
         await self._done.wait()
         return {w.local_rank: w.failure for w in self._ranked() if w.failure is not None}
@@ -397,12 +420,12 @@ class PContext:
         progress (a second Ctrl-C, say) escalates: the rest of the grace period is
         skipped and every group is SIGKILLed at once, whatever its arguments.
         """
-        if not self._entered:
+        if self._phase is Phase.NEW:
             return
         grace = self._spec.grace_period if grace_period is None else grace_period
-        if self._closing:
+        if self._close_calls:
             self._escalate.set()
-        self._closing = True
+        self._close_calls += 1
 
         async def stop_and_finish() -> None:
             with anyio.CancelScope(shield=True):
@@ -416,12 +439,17 @@ class PContext:
             await to_the_end(stop_and_finish)
 
     async def _stop(self, death_sig: int, grace_period: float) -> None:
-        if self._stopping:
+        """Tear the group down, or wait for the teardown under way (hurried, if asked)."""
+        if self._phase >= Phase.STOPPING:
             if death_sig == signal.SIGKILL or grace_period <= 0:
                 self._escalate.set()
             await self._stopped.wait()
             return
-        self._stopping = True
+        self._phase = Phase.STOPPING
+        await self._teardown(death_sig, grace_period)
+
+    async def _teardown(self, death_sig: int, grace_period: float) -> None:
+        """The one teardown of the group's workers; then the group is STOPPED."""
         if self._hang_scope is not None:
             self._hang_scope.cancel()
         try:
@@ -432,13 +460,14 @@ class PContext:
                 with anyio.move_on_after(settle.REPORT_TIMEOUT + 1):
                     await wait_all(worker.settled for worker in self._workers)
         finally:
+            self._phase = max(self._phase, Phase.STOPPED)
             self._done.set()
             self._stopped.set()
 
     async def _finish_io(self) -> None:
-        if self._io_finished:
+        if self._phase is Phase.CLOSED:
             return
-        self._io_finished = True
+        self._phase = Phase.CLOSED
         pumps = [p for w in self._workers for p in (w.stdout, w.stderr)]
         # Every writer is dead now, so the pipes reach end-of-file at once — unless a
         # descendant escaped its process group and still holds one.

@@ -46,6 +46,8 @@ STACK_HOOK_MODULE = "aioelastic._core._stack_hook"
 class StartMethod(RankPreparer, Protocol):
     """How the workers of one group are made (with :class:`~._preparing.RankPreparer`)."""
 
+    #: The method's name: ``binary``, or the ``start_method`` of function workers.
+    name: str
     #: Whether workers send a return value back through a result pipe.
     returns_value: bool
 
@@ -78,6 +80,7 @@ def runs_stack_hook(args: tuple[Any, ...]) -> bool:
 class BinaryMethod:
     """Binary workers, started by the watchdog in batches from the event loop itself."""
 
+    name = "binary"
     returns_value = False
 
     def __init__(self, spec: GroupSpec) -> None:
@@ -173,6 +176,7 @@ class _FunctionMethod:
 
     def __init__(self, spec: GroupSpec) -> None:
         self._spec = spec
+        self.name = spec.start_method
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._spec.name!r}>"

@@ -322,6 +322,10 @@ class Watchdog:
         #: Released binary workers whose ``R`` is sent at the end of this loop turn.
         self._releases: list[int] = []
 
+    def __repr__(self) -> str:
+        state = "running" if self.running() else "not running"
+        return f"<Watchdog pid={self.pid} {state} binaries={len(self._spawned)}>"
+
     @property
     def pid(self) -> int | None:
         """The watchdog's pid once started."""

@@ -49,6 +49,17 @@ class WorkerProcess:
     #: output or return value could not be fully taken in), for its failure report.
     faults: list[str] = field(default_factory=list)
 
+    def __repr__(self) -> str:
+        if self.returncode is None:
+            state = "running"
+        elif self.failure is not None:
+            state = f"failed exitcode={self.returncode}"
+        elif self.settled.is_set():
+            state = f"{'succeeded' if self.succeeded else 'stopped'} exitcode={self.returncode}"
+        else:
+            state = f"exited exitcode={self.returncode}"
+        return f"<WorkerProcess local_rank={self.local_rank} pid={self.pid} {state}>"
+
     @property
     def pid(self) -> int:
         """The worker's pid, which is also its process-group id."""

@@ -204,6 +204,13 @@ class LocalElasticAgent:
 
     # -- public surface ----------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        return (
+            f"<LocalElasticAgent role={self._spec.role!r} "
+            f"local_world_size={self._spec.local_world_size} "
+            f"state={self._group.state.name} restarts={self._restart_count}>"
+        )
+
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         """The worker group (a live object: its state and workers change as the run goes)."""
         return self._group
