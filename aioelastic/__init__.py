@@ -19,9 +19,10 @@ if TYPE_CHECKING:
         ProcessRaisedException,
         spawn,
     )
-    from ._core._errors import ChildFailedError, ProcessFailure, record
+    from ._core._failures import ChildFailedError, ProcessFailure
     from ._core._output import OutputItem, OutputStream
     from ._core._pcontext import PContext, run_processes, start_processes
+    from ._core._record import record
     from ._core._results import RunProcsResult
     from ._core._signals import SignalReceived
     from ._core._std import Std, to_map
@@ -65,9 +66,9 @@ _EXPORTS = {
     "LaunchConfig": "._elastic._elastic_launch",
     "elastic_launch": "._elastic._elastic_launch",
     "launch_agent": "._elastic._elastic_launch",
-    "ChildFailedError": "._core._errors",
-    "ProcessFailure": "._core._errors",
-    "record": "._core._errors",
+    "ChildFailedError": "._core._failures",
+    "ProcessFailure": "._core._failures",
+    "record": "._core._record",
     "AgentEvent": "._elastic._events",
     "EventStream": "._elastic._events",
     "FailureReason": "._elastic._events",

@@ -24,7 +24,7 @@ import anyio.to_thread
 import pytest
 
 from aioelastic._compat._launch import MainProcessError, WorkerError, free_port, launch
-from aioelastic._core._errors import ChildFailedError
+from aioelastic._core._failures import ChildFailedError
 from tests.children import spawn as children
 
 pytestmark = pytest.mark.timeout(60)

@@ -85,6 +85,30 @@ def test_imports_only_go_down_the_layers() -> None:
     assert upward == []
 
 
+def test_no_private_name_is_imported_from_another_layer() -> None:
+    # What two layers share gets a public name in the lower one; a private name is the
+    # business of its own layer only.
+    crossing = []
+    for module, path in MODULES.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            if source not in MODULES or _layer(source) == _layer(module):
+                continue
+            crossing += [
+                f"{module} imports {source}.{alias.name}"
+                for alias in node.names
+                if alias.name.startswith("_") and f"{source}.{alias.name}" not in MODULES
+            ]
+    assert sorted(crossing) == []
+
+
 def test_the_core_needs_no_other_layer() -> None:
     core = [m for m in MODULES if _layer(m) == LAYERS["_core"]]
     outside = sorted(
@@ -145,3 +169,22 @@ def test_error_types_unpickle_from_their_old_module_paths() -> None:
     assert isinstance(pickle.loads(old), aioelastic.SignalReceived)
     for old_path, new_path in OLD_PATHS.items():
         assert importlib.import_module(old_path) is importlib.import_module(new_path)
+
+
+def test_failures_pickled_when_they_lived_in_core_errors_still_load() -> None:
+    # ProcessFailure, ChildFailedError and RunProcsResult pickled before the error types
+    # got modules of their own name aioelastic._core._errors (the results' failures too).
+    import pickle
+
+    import aioelastic
+
+    failure = aioelastic.ProcessFailure(0, 42, 1, "<N/A>", "boom", 1.5)
+    error = aioelastic.ChildFailedError("job", {0: failure})
+    result = aioelastic.RunProcsResult(failures={0: failure}, stderrs={0: ""})
+    for value in (failure, error, result):
+        new = pickle.dumps(value, protocol=0)
+        assert b"aioelastic._core._failures" in new
+        old = new.replace(b"aioelastic._core._failures", b"aioelastic._core._errors")
+        loaded = pickle.loads(old)
+        assert type(loaded) is type(value)
+        assert repr(loaded) == repr(value) or str(loaded) == str(value)

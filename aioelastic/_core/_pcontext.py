@@ -33,8 +33,8 @@ from . import _preparing as preparing
 from . import _settle as settle
 from ._backend import callback_context, require_asyncio
 from ._console import console
-from ._errors import ProcessFailure
 from ._exit_watch import ExitOutcome
+from ._failures import ProcessFailure
 from ._hangs import HangConfig, HangGuard, WorkerHooks
 from ._lazy_event import wait_all
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream

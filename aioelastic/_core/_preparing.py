@@ -25,7 +25,7 @@ import anyio.lowlevel
 
 from . import _log_root as log_root
 from ._bootstrap import FunctionCall
-from ._errors import ERROR_FILE_ENV
+from ._error_file import ERROR_FILE_ENV
 from ._hangs import HangGuard
 from ._launchers import on_launcher_thread
 from ._logs import create_log

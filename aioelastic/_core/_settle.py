@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 import anyio
 import anyio.to_thread
 
-from ._errors import NOT_AVAILABLE, ProcessFailure
+from ._error_file import NOT_AVAILABLE
 from ._exit_watch import ExitNotSeen, ExitOutcome
+from ._failures import ProcessFailure
 from ._results import RunProcsResult
 from ._teardown import CHILDREN_KILL_TIMEOUT
 from ._worker import WorkerProcess

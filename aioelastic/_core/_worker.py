@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ProcessFailure
+from ._failures import ProcessFailure
 from ._launchers import Launched
 from ._lazy_event import LazyEvent
 from ._logs import StreamPump

@@ -43,7 +43,8 @@ import anyio
 
 from .._core import _log_root as log_root
 from .._core._backend import require_asyncio
-from .._core._errors import ProcessFailure
+from .._core._exit_status import signal_text
+from .._core._failures import ProcessFailure
 from .._core._hangs import stack_requests
 from .._core._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from .._core._pcontext import PContext, start_processes
@@ -295,7 +296,7 @@ class LocalElasticAgent:
                 return await scope.run_until_signal(self._invoke_run(rdzv))
         except SignalReceived as e:
             self._group.state = WorkerState.STOPPED
-            self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal.Signals(e.signum).name)
+            self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal_text(e.signum))
             raise
         except anyio.get_cancelled_exc_class():
             self._group.state = WorkerState.STOPPED

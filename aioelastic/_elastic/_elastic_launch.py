@@ -27,7 +27,7 @@ import anyio
 
 from .._core import _values as values
 from .._core._backend import require_asyncio
-from .._core._errors import ChildFailedError
+from .._core._failures import ChildFailedError
 from .._core._signals import SignalReceived
 from .._core._std import Std
 from ._agent import LocalElasticAgent

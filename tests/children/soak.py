@@ -192,7 +192,7 @@ def stop_while_publishing_error_file(fifo: str) -> None:
     ``os.rename`` or ``os.link``): at that moment the whole file is written, and a
     worker killed there is one killed at the worst moment for leftovers.
     """
-    from aioelastic._core._errors import write_error_file
+    from aioelastic._core._error_file import write_error_file
 
     publishing = {os.replace, os.rename, os.link}
 
