@@ -4,7 +4,7 @@ The group (:class:`~._pcontext.PContext`) knows only the small :class:`StartMeth
 protocol, as it knows only :class:`~._exit_watch.ExitWatch` of how an exit is learnt:
 
 - :class:`BinaryMethod`: a binary, started by the watchdog with ``posix_spawn``, in
-  batches (:class:`~._launchers.BinaryLauncher`);
+  batches (:class:`~._binary_start.BinaryLauncher`);
 - :class:`SpawnMethod`: a fresh interpreter that reads its pickled call from a pipe;
 - :class:`ForkMethod`: a fork of this process, which inherits the call;
 - :class:`ForkServerMethod`: a fork of a warm server (:mod:`._forkserver`), which gets the
@@ -31,13 +31,13 @@ import anyio
 import anyio.lowlevel
 
 from . import _launchers, _preparing
+from ._binary_start import BinaryLauncher, BinaryStart
 from ._bootstrap import FunctionCall
 from ._forkserver import fork_server
 from ._preparing import Prepared, RankPreparer
 from ._starting import GroupStarter, Opening
 from ._subreaper import lineage_env
 from ._validate import GroupSpec
-from ._watchdog import BinaryStart
 
 #: The module a binary's arguments name (``python -m ...``) to answer stack requests.
 STACK_HOOK_MODULE = "aioelastic._core._stack_hook"
@@ -115,7 +115,7 @@ class BinaryMethod:
         error counts.
         """
         spec = self._spec
-        launcher = _launchers.BinaryLauncher(os.environ)
+        launcher = BinaryLauncher(os.environ)
         handed: collections.deque[tuple[int, Opening, asyncio.Future[_launchers.Launched]]]
         handed = collections.deque()
 
