@@ -74,10 +74,12 @@ from tests.audit import (
     reaped,
     zombie_children,
 )
-from tests.children import core as core_children
-from tests.children import errors as errors_children
-from tests.children import faults as faults_children
-from tests.children import soak
+from tests.children import (
+    core as core_children,
+    errors as errors_children,
+    faults as faults_children,
+    soak,
+)
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = pytest.mark.asyncio

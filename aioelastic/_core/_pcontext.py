@@ -28,9 +28,7 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
-from . import _launchers, _platform
-from . import _preparing as preparing
-from . import _settle as settle
+from . import _launchers, _platform, _preparing as preparing, _settle as settle
 from ._backend import callback_context, require_asyncio
 from ._console import console
 from ._exit_watch import ExitOutcome
