@@ -50,6 +50,7 @@ import anyio
 
 from ._backend import require_asyncio
 from ._exit_status import signal_text
+from ._to_the_end import wait_out
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -214,7 +215,7 @@ class SignalScope:
             # A due action runs even if the block ended before its task got to start it.
             if not started and len(self._received) < after:
                 task.cancel()
-            await _wait_ignoring_cancellation(task)
+            await wait_out(task)
             if not task.cancelled() and task.exception() is not None:
                 error = task.exception()
                 if body_failed:
@@ -410,18 +411,6 @@ def _restorable(sig: signal.Signals, handler: Any) -> Any:
     if handler is None:
         return signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
     return handler
-
-
-async def _wait_ignoring_cancellation(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to finish even if we are cancelled meanwhile, then re-raise that."""
-    cancelled: BaseException | None = None
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError as e:
-            cancelled = e
-    if cancelled is not None:
-        raise cancelled
 
 
 def _as_signal(signum: int) -> int:
