@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._core import _values as values
+from . import _node_values as node_values
 from ._rdzv_thread import on_daemon_thread
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ async def create_rdzv_handler(
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     _validate_nodes(min_nodes, max_nodes)
-    values.rdzv_options(backend, config)
+    node_values.rdzv_options(backend, config)
 
     def create() -> RendezvousHandler:
         from torch.distributed.elastic.rendezvous import RendezvousParameters
