@@ -475,7 +475,7 @@ def test_module_no_python_and_run_path_commands() -> None:
     # Our own interpreter runs the script through the stack hook; PYTHON_EXEC's as is.
     assert command([]).target() == (
         sys.executable,
-        ("-u", "-m", "aioelastic._core._stack_hook", "train.py", "--lr", "0.1"),
+        ("-u", "-m", "aioelastic.stack_hook", "train.py", "--lr", "0.1"),
     )
     assert command([], {"PYTHON_EXEC": "/opt/py"}).target()[1][:2] == ("-u", "train.py")
 

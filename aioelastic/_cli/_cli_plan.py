@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._core import _values as values
+from .._core import _stack_hook as stack_hook, _values as values
 from .._core._std import Std, to_map
 from .._elastic import _node_values as node_values
 from .._elastic._agent_types import RestartBackoff
@@ -84,7 +84,7 @@ class CommandLine:
             # Our own interpreter: run the script through the stack hook (docs/hangs.md),
             # which registers the handler answering stack requests, then runs it as
             # `python -u` would. Another interpreter (PYTHON_EXEC) may lack aioelastic.
-            return self.entrypoint, ("-u", "-m", "aioelastic._core._stack_hook", *self.args[1:])
+            return self.entrypoint, ("-u", "-m", stack_hook.MODULE, *self.args[1:])
         return self.entrypoint, self.args
 
 

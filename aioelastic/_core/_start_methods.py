@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.lowlevel
 
-from . import _launchers, _preparing
+from . import _launchers, _preparing, _stack_hook as stack_hook
 from ._binary_start import BinaryLauncher, BinaryStart
 from ._bootstrap import FunctionCall
 from ._forkserver import fork_server
@@ -38,9 +38,6 @@ from ._preparing import Prepared, RankPreparer
 from ._starting import GroupStarter, Opening
 from ._subreaper import lineage_env
 from ._validate import GroupSpec
-
-#: The module a binary's arguments name (``python -m ...``) to answer stack requests.
-STACK_HOOK_MODULE = "aioelastic._core._stack_hook"
 
 
 class StartMethod(RankPreparer, Protocol):
@@ -74,7 +71,7 @@ def start_method(spec: GroupSpec) -> StartMethod:
 
 def runs_stack_hook(args: tuple[Any, ...]) -> bool:
     """Whether a binary's arguments run a script through the stack hook (docs/hangs.md)."""
-    return any(a == "-m" and b == STACK_HOOK_MODULE for a, b in itertools.pairwise(args))
+    return any(a == "-m" and b in stack_hook.MODULES for a, b in itertools.pairwise(args))
 
 
 class BinaryMethod:

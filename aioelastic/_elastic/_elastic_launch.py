@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core import _values as values
+from .._core import _stack_hook as stack_hook, _values as values
 from .._core._backend import require_asyncio
 from .._core._failures import ChildFailedError
 from .._core._signals import SignalReceived
@@ -329,7 +329,7 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
         if entrypoint == sys.executable:
             # The stack hook's wrapper (see run.py) is not the user's script.
             names = [str(a) for a in args if not str(a).startswith("-")]
-            names = [n for n in names if n != "aioelastic._core._stack_hook"]
+            names = [n for n in names if n not in stack_hook.MODULES]
             return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", repr(entrypoint)))
