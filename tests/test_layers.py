@@ -1,4 +1,4 @@
-"""The package's folders are its layers, and imports only go down.
+"""The package's folders are its layers, and imports only go down; so do ``_core``'s rooms.
 
 ``aioelastic/_core`` (one group of worker processes: platform, launchers, exit watch,
 bootstrap, logs, teardown, the group context) is the bottom layer; ``_compat``
@@ -115,6 +115,82 @@ def test_the_core_needs_no_other_layer() -> None:
         f"{m} imports {t}" for m in core for t in GRAPH[m] if _layer(t) != LAYERS["_core"]
     )
     assert outside == []
+
+
+#: The rooms of ``_core``, lowest first: a module imports only from its own room or a lower
+#: one, so the order a worker's life is built in (the process and its values, what runs in
+#: the child, reports, processes, output, the worker record, hangs, the group) shows in the
+#: imports and stays that way.
+CORE_ROOMS: list[tuple[str, set[str]]] = [
+    (
+        "the process and its values",
+        {
+            "_backend",
+            "_console",
+            "_exit_status",
+            "_lazy_event",
+            "_log_root",
+            "_platform",
+            "_runtime",
+            "_signals",
+            "_status",
+            "_std",
+            "_subreaper",
+            "_to_the_end",
+            "_values",
+        },
+    ),
+    (
+        "the child's side",
+        {
+            "_bootstrap",
+            "_error_file",
+            "_forkserver_process",
+            "_preload",
+            "_result_pipe",
+            "_script",
+            "_stack_hook",
+            "_watchdog_process",
+        },
+    ),
+    ("reports", {"_errors", "_failures", "_record", "_results"}),
+    (
+        "processes: start and exit",
+        {"_binary_start", "_exit_watch", "_forkserver", "_launchers", "_watchdog"},
+    ),
+    ("output", {"_frames", "_logs", "_output", "_terminal"}),
+    ("the worker record and its teardown", {"_teardown", "_worker"}),
+    ("hangs", {"_fifo", "_hangs", "_stacks", "_stall", "_timer_server"}),
+    (
+        "the group",
+        {"_pcontext", "_preparing", "_settle", "_start_methods", "_starting", "_validate"},
+    ),
+]
+
+
+def _core_room(module: str) -> int:
+    short = module.removeprefix("aioelastic._core.")
+    return next(i for i, (_, members) in enumerate(CORE_ROOMS) if short in members)
+
+
+def test_every_core_module_is_in_one_room() -> None:
+    core = {
+        m.removeprefix("aioelastic._core.") for m in MODULES if m.startswith("aioelastic._core.")
+    }
+    placed = [name for _, members in CORE_ROOMS for name in members]
+    assert sorted(placed) == sorted(core), "put a new _core module in one of CORE_ROOMS"
+
+
+def test_imports_only_go_down_the_rooms_of_the_core() -> None:
+    upward = sorted(
+        f"{module} ({CORE_ROOMS[_core_room(module)][0]}) imports {target} "
+        f"({CORE_ROOMS[_core_room(target)][0]})"
+        for module, targets in GRAPH.items()
+        if module.startswith("aioelastic._core.")
+        for target in targets
+        if target.startswith("aioelastic._core.") and _core_room(target) > _core_room(module)
+    )
+    assert upward == []
 
 
 def test_no_import_cycle() -> None:
