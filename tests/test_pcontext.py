@@ -18,6 +18,7 @@ import aioelastic
 from aioelastic._core import _log_root as log_root, _platform
 from aioelastic._core._forkserver import fork_server
 from tests.children import core
+from tests.groups import envs
 from tests.waits import ReadyFifo, is_running
 
 pytestmark = pytest.mark.asyncio
@@ -36,10 +37,6 @@ def exit_watch_mode(
     yield request.param
     monkeypatch.delenv(_platform.NO_PIDFD_ENV, raising=False)
     _platform.pidfd_supported.cache_clear()
-
-
-def envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
-    return {rank: dict(extra) for rank in range(n)}
 
 
 def _failing_and_blocking(ready: ReadyFifo, go: Path, grace_period: float) -> aioelastic.PContext:
