@@ -14,6 +14,7 @@ wait, stop, close.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import enum
 import logging
@@ -176,28 +177,29 @@ class PContext:
         self._phase = Phase.STARTING
         _platform.ensure_default_sigchld()
         prepared = await self._open_and_prepare()
-        try:
+        # The log files no worker took over are closed however the start ends: all of
+        # them if it failed, none are left once every worker started.
+        with contextlib.ExitStack() as always:
+            for rank_prep in prepared.values():
+                always.callback(rank_prep.close_logs)
             try:
-                if not watchdog.running():
-                    await _launchers.on_launcher_thread(watchdog.ensure_started)
-            except OSError as exc:
-                preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
-        except BaseException:
-            for rank_prep in prepared.values():
-                rank_prep.close_logs()
-            await self._blocking(self._hangs.close)
-            raise
-        self._callbacks = callback_context()
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        try:
-            await self._start_all(prepared)
-        except BaseException as exc:
-            for rank_prep in prepared.values():
-                rank_prep.close_logs()
-            await self.close()
-            await self._tg.__aexit__(None, None, None)
-            raise exc
+                try:
+                    if not watchdog.running():
+                        await _launchers.on_launcher_thread(watchdog.ensure_started)
+                except OSError as exc:
+                    preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
+            except BaseException:
+                await self._blocking(self._hangs.close)
+                raise
+            self._callbacks = callback_context()
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            try:
+                await self._start_all(prepared)
+            except BaseException as exc:
+                await self.close()
+                await self._tg.__aexit__(None, None, None)
+                raise exc
         if self._phase is Phase.STARTING:  # not stopped while starting
             self._phase = Phase.RUNNING
         if self._hangs.watching:
