@@ -12,49 +12,113 @@ from typing import TYPE_CHECKING, Any
 from ._compat import _old_paths
 
 if TYPE_CHECKING:
-    from ._compat._launch import MainProcessError, WorkerError, free_port, launch
+    # For type checkers only (the names are imported lazily, see _EXPORTS): each one
+    # re-exported as itself. tests/test_public_surface.py checks they match _EXPORTS.
+    from ._compat._launch import (
+        MainProcessError as MainProcessError,
+        WorkerError as WorkerError,
+        free_port as free_port,
+        launch as launch,
+    )
     from ._compat._spawn import (
-        ProcessException,
-        ProcessExitedException,
-        ProcessRaisedException,
-        spawn,
+        ProcessException as ProcessException,
+        ProcessExitedException as ProcessExitedException,
+        ProcessRaisedException as ProcessRaisedException,
+        spawn as spawn,
     )
-    from ._core._errors import ChildFailedError, ProcessFailure, record
-    from ._core._output import OutputItem, OutputStream
-    from ._core._pcontext import PContext, run_processes, start_processes
-    from ._core._results import RunProcsResult
-    from ._core._signals import SignalReceived
-    from ._core._std import Std, to_map
-    from ._core._subreaper import enable_subreaper, subreaper_enabled
-    from ._elastic._agent import LocalElasticAgent
+    from ._core._failures import (
+        ChildFailedError as ChildFailedError,
+        ProcessFailure as ProcessFailure,
+    )
+    from ._core._forkserver import (
+        ForkServerError as ForkServerError,
+    )
+    from ._core._output import (
+        OutputItem as OutputItem,
+        OutputStream as OutputStream,
+    )
+    from ._core._pcontext import (
+        PContext as PContext,
+        run_processes as run_processes,
+        start_processes as start_processes,
+    )
+    from ._core._record import (
+        record as record,
+    )
+    from ._core._results import (
+        RunProcsResult as RunProcsResult,
+    )
+    from ._core._signals import (
+        SignalReceived as SignalReceived,
+    )
+    from ._core._std import (
+        Std as Std,
+        to_map as to_map,
+    )
+    from ._core._subreaper import (
+        enable_subreaper as enable_subreaper,
+        subreaper_enabled as subreaper_enabled,
+    )
+    from ._elastic._agent import (
+        LocalElasticAgent as LocalElasticAgent,
+    )
     from ._elastic._agent_types import (
-        RestartBackoff,
-        RunResult,
-        Worker,
-        WorkerGroup,
-        WorkerSpec,
-        WorkerState,
+        RestartBackoff as RestartBackoff,
+        RunResult as RunResult,
+        Worker as Worker,
+        WorkerGroup as WorkerGroup,
+        WorkerSpec as WorkerSpec,
+        WorkerState as WorkerState,
     )
-    from ._elastic._elastic_launch import LaunchConfig, elastic_launch, launch_agent
+    from ._elastic._elastic_launch import (
+        LaunchConfig as LaunchConfig,
+        elastic_launch as elastic_launch,
+        launch_agent as launch_agent,
+    )
     from ._elastic._events import (
-        AgentEvent,
-        EventStream,
-        FailureReason,
-        GroupRestarting,
-        GroupStopping,
-        RendezvousCompleted,
-        RunFailed,
-        RunSucceeded,
-        StopReason,
-        WorkerFailed,
-        WorkersStarted,
+        AgentEvent as AgentEvent,
+        EventStream as EventStream,
+        FailureReason as FailureReason,
+        GroupRestarting as GroupRestarting,
+        GroupStopping as GroupStopping,
+        RendezvousCompleted as RendezvousCompleted,
+        RunFailed as RunFailed,
+        RunSucceeded as RunSucceeded,
+        StopReason as StopReason,
+        WorkerFailed as WorkerFailed,
+        WorkersStarted as WorkersStarted,
     )
-    from ._elastic._rdzv_handlers import create_rdzv_handler
+    from ._elastic._rdzv_handlers import (
+        create_rdzv_handler as create_rdzv_handler,
+    )
 
-# Public name -> the private module that defines it. Attributes are imported on first
-# use: a spawned worker imports aioelastic._core._bootstrap, and must not pay for the agent,
-# the CLI and anyio (over 100 ms of CPU per worker) to run one function.
+# The public surface, the one list of it: public name -> the private module that defines
+# it, grouped as the docs present it. ``__all__`` is derived from it, and attributes are
+# imported on first use: a spawned worker imports aioelastic._core._bootstrap, and must
+# not pay for the agent, the CLI and anyio (over 100 ms of CPU per worker) to run one
+# function.
 _EXPORTS = {
+    # Running a group of workers
+    "PContext": "._core._pcontext",
+    "run_processes": "._core._pcontext",
+    "start_processes": "._core._pcontext",
+    # Results and errors
+    "ChildFailedError": "._core._failures",
+    "ProcessFailure": "._core._failures",
+    "RunProcsResult": "._core._results",
+    "record": "._core._record",
+    "ForkServerError": "._core._forkserver",
+    # torch.multiprocessing.spawn and launch-helper compatibility
+    "MainProcessError": "._compat._launch",
+    "ProcessException": "._compat._spawn",
+    "ProcessExitedException": "._compat._spawn",
+    "ProcessRaisedException": "._compat._spawn",
+    "WorkerError": "._compat._launch",
+    "free_port": "._compat._launch",
+    "launch": "._compat._launch",
+    "spawn": "._compat._spawn",
+    # The elastic agent
+    "LaunchConfig": "._elastic._elastic_launch",
     "LocalElasticAgent": "._elastic._agent",
     "RestartBackoff": "._elastic._agent_types",
     "RunResult": "._elastic._agent_types",
@@ -62,12 +126,11 @@ _EXPORTS = {
     "WorkerGroup": "._elastic._agent_types",
     "WorkerSpec": "._elastic._agent_types",
     "WorkerState": "._elastic._agent_types",
-    "LaunchConfig": "._elastic._elastic_launch",
+    "create_rdzv_handler": "._elastic._rdzv_handlers",
     "elastic_launch": "._elastic._elastic_launch",
     "launch_agent": "._elastic._elastic_launch",
-    "ChildFailedError": "._core._errors",
-    "ProcessFailure": "._core._errors",
-    "record": "._core._errors",
+    "SignalReceived": "._core._signals",
+    # Lifecycle events of the agent
     "AgentEvent": "._elastic._events",
     "EventStream": "._elastic._events",
     "FailureReason": "._elastic._events",
@@ -79,81 +142,17 @@ _EXPORTS = {
     "StopReason": "._elastic._events",
     "WorkerFailed": "._elastic._events",
     "WorkersStarted": "._elastic._events",
-    "MainProcessError": "._compat._launch",
-    "WorkerError": "._compat._launch",
-    "free_port": "._compat._launch",
-    "launch": "._compat._launch",
+    # Logs and output
     "OutputItem": "._core._output",
     "OutputStream": "._core._output",
-    "PContext": "._core._pcontext",
-    "run_processes": "._core._pcontext",
-    "start_processes": "._core._pcontext",
-    "create_rdzv_handler": "._elastic._rdzv_handlers",
-    "RunProcsResult": "._core._results",
-    "SignalReceived": "._core._signals",
-    "ProcessException": "._compat._spawn",
-    "ProcessExitedException": "._compat._spawn",
-    "ProcessRaisedException": "._compat._spawn",
-    "spawn": "._compat._spawn",
     "Std": "._core._std",
     "to_map": "._core._std",
+    # Process ownership
     "enable_subreaper": "._core._subreaper",
     "subreaper_enabled": "._core._subreaper",
 }
 
-__all__ = [
-    # Running a group of workers
-    "PContext",
-    "run_processes",
-    "start_processes",
-    # Results and errors
-    "ChildFailedError",
-    "ProcessFailure",
-    "RunProcsResult",
-    "record",
-    # torch.multiprocessing.spawn and launch-helper compatibility
-    "MainProcessError",
-    "ProcessException",
-    "ProcessExitedException",
-    "ProcessRaisedException",
-    "WorkerError",
-    "free_port",
-    "launch",
-    "spawn",
-    # The elastic agent
-    "LaunchConfig",
-    "LocalElasticAgent",
-    "RestartBackoff",
-    "RunResult",
-    "Worker",
-    "WorkerGroup",
-    "WorkerSpec",
-    "WorkerState",
-    "create_rdzv_handler",
-    "elastic_launch",
-    "launch_agent",
-    "SignalReceived",
-    # Lifecycle events of the agent
-    "AgentEvent",
-    "EventStream",
-    "FailureReason",
-    "GroupRestarting",
-    "GroupStopping",
-    "RendezvousCompleted",
-    "RunFailed",
-    "RunSucceeded",
-    "StopReason",
-    "WorkerFailed",
-    "WorkersStarted",
-    # Logs and output
-    "OutputItem",
-    "OutputStream",
-    "Std",
-    "to_map",
-    # Process ownership
-    "enable_subreaper",
-    "subreaper_enabled",
-]
+__all__ = list(_EXPORTS)
 
 
 # Pickles made by an earlier version name the error types by their old module paths.

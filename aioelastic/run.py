@@ -37,7 +37,10 @@ import anyio
 
 from ._cli._cli_parser import parse_args, usage_error
 from ._core import _log_root as log_root
-from ._core._errors import ERROR_FILE_ENV, ChildFailedError, ProcessFailure, _record_child_failure
+from ._core._error_file import ERROR_FILE_ENV
+from ._core._exit_status import signal_text
+from ._core._failures import ChildFailedError, ProcessFailure
+from ._core._record import record_child_failure
 from ._core._script import run_script_path
 from ._core._std import Std
 from ._core._subreaper import enable_subreaper
@@ -93,10 +96,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         config, command = config_from_args(args)
         if command.preload:
             # Checked now, as a usage error; the import itself runs during the rendezvous.
-            from ._core._validate import _check_preload
+            from ._core._validate import check_preload
 
             try:
-                _check_preload(command.preload)
+                check_preload(command.preload)
             except ValueError as e:
                 raise ValueError(f"argument --preload: {e}") from None
     except (ValueError, TypeError) as e:
@@ -168,11 +171,10 @@ async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
             print(error.format_msg(), file=sys.stderr, flush=True)
             if os.environ.get(ERROR_FILE_ENV):
                 # Nested under another launcher: hand it our root cause, as torchrun's @record.
-                _record_child_failure(error)
+                record_child_failure(error)
             return exit_code_for(error.get_first_failure()[1])
         except SignalReceived as e:
-            sig = signal.Signals(e.signum)
-            print(f"{PROG}: stopped by {sig.name}; workers stopped", file=sys.stderr)
+            print(f"{PROG}: stopped by {signal_text(e.signum)}; workers stopped", file=sys.stderr)
             return e.exit_code
         except Exception as e:
             _report_launcher_error(e)

@@ -31,17 +31,15 @@ def become_subreaper() -> bool:
 
 
 def _children() -> list[int]:
+    from aioelastic._core._platform import proc_stat
+
     me = os.getpid()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(b")") + 2 :].split()[1]) == me:
+        fields = proc_stat(entry, 2)
+        if fields is not None and int(fields[1]) == me:
             found.append(int(entry))
     return found
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from aioelastic._core._platform import children_of
+from aioelastic._core._platform import children_of, proc_stat
 from tests.waits import is_running, process_state
 
 
@@ -106,8 +106,10 @@ def is_spare(pid: int) -> bool:
         with open(f"/proc/{pid}/comm") as f:
             if f.read().rstrip("\n") != SPARE_NAME:
                 return False
-        with open(f"/proc/{pid}/stat") as f:
-            parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        fields = proc_stat(pid, 2)
+        if fields is None:
+            return False
+        parent = int(fields[1])
     except (OSError, ValueError, IndexError):
         return False
     return parent in fork_server_pids()

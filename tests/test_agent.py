@@ -31,7 +31,7 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 
 from aioelastic._core import _forkserver  # noqa: E402
-from aioelastic._core._errors import ChildFailedError  # noqa: E402
+from aioelastic._core._failures import ChildFailedError  # noqa: E402
 from aioelastic._core._signals import SignalReceived  # noqa: E402
 from aioelastic._elastic._agent import LocalElasticAgent  # noqa: E402
 from aioelastic._elastic._agent_types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402

@@ -25,8 +25,9 @@ import anyio.to_thread
 import pytest
 
 import aioelastic
-from aioelastic._core import _launchers, _platform
-from aioelastic._core._watchdog import MAX_BATCH, BinaryStart, watchdog
+from aioelastic._core import _binary_start, _platform
+from aioelastic._core._binary_start import MAX_BATCH, BinaryLauncher, BinaryStart, send_batch
+from aioelastic._core._watchdog import watchdog
 from tests.waits import ReadyFifo, close_with_reporter_stopped, is_running, process_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -137,7 +138,7 @@ async def test_exec_failure_is_reported_with_its_errno_and_nothing_is_left(tmp_p
     script.write_text("#!/bin/sh\n")
     script.chmod(0o644)
     err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    launcher = _launchers.BinaryLauncher(os.environ)
+    launcher = BinaryLauncher(os.environ)
     try:
         started = time.monotonic()
         with pytest.raises(
@@ -348,7 +349,7 @@ async def test_a_start_the_event_loop_cannot_send_at_once_goes_from_a_thread(
     devnull = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
     try:
         with anyio.fail_after(30):
-            launched = await _launchers.BinaryLauncher(os.environ).start(
+            launched = await BinaryLauncher(os.environ).start(
                 BinaryStart(["/bin/sh", "-c", "exit 7"], {}, devnull, devnull)
             )
             assert await launched.watch.wait() == 7
@@ -367,10 +368,10 @@ async def test_send_batch_refuses_without_waiting_and_leaves_no_fd(fresh_watchdo
     try:
         start = BinaryStart(["/bin/true"], {}, err_w, err_w)
         with pytest.raises(BlockingIOError, match="not running"):
-            watchdog.send_batch(dict(os.environ), [start], block=False)
+            send_batch(dict(os.environ), [start], block=False)
         watchdog.ensure_started()
         with watchdog._lock, pytest.raises(BlockingIOError, match="being started"):
-            watchdog.send_batch(dict(os.environ), [start], block=False)
+            send_batch(dict(os.environ), [start], block=False)
     finally:
         os.close(err_r)
         os.close(err_w)
@@ -389,7 +390,7 @@ async def test_watchdog_dead_before_answering_a_batch_fails_every_start_of_it(
     os.kill(watchdog.pid, signal.SIGSTOP)
     try:
         starts = [BinaryStart(["/bin/sleep", "600"], {}, devnull, devnull)] * 3
-        batch = watchdog.send_batch(dict(os.environ), starts, block=True)
+        batch = send_batch(dict(os.environ), starts, block=True)
         os.kill(watchdog.pid, signal.SIGKILL)
         started = time.monotonic()
         select.select([batch.fileno()], [], [], 20)  # readable: the end-of-file
@@ -415,15 +416,15 @@ async def test_the_last_starts_of_a_group_go_without_waiting_for_the_batch_in_fl
     assert watchdog.pid is not None
     sent: list[int] = []
     all_sent = anyio.Event()
-    send_batch = watchdog.send_batch
+    real_send_batch = _binary_start.send_batch
 
     def counting(base_env: dict[str, str], batch: list[BinaryStart], *, block: bool) -> object:
         sent.append(len(batch))
         if sum(sent) == 3:
             all_sent.set()
-        return send_batch(base_env, batch, block=block)
+        return real_send_batch(base_env, batch, block=block)
 
-    monkeypatch.setattr(watchdog, "send_batch", counting)
+    monkeypatch.setattr(_binary_start, "send_batch", counting)
     os.kill(watchdog.pid, signal.SIGSTOP)
     try:
         async with anyio.create_task_group() as tg:

@@ -47,9 +47,10 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _pcontext, _platform
+from aioelastic._core import _platform, _preparing
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
+from tests.groups import envs, ranks
 from tests.waits import ReadyFifo
 
 pytestmark = pytest.mark.asyncio
@@ -182,29 +183,21 @@ def _labelled(run: Run) -> Iterator[None]:
             setattr(aioelastic.PContext, name, method)
 
 
-def _ranks(n: int, *args: Any) -> dict[int, tuple[Any, ...]]:
-    return {r: args for r in range(n)}
-
-
-def _envs(n: int) -> dict[int, dict[str, str]]:
-    return {r: {} for r in range(n)}
-
-
 def blocking_group(method: str, fifo: ReadyFifo, **kwargs: Any) -> aioelastic.PContext:
     """Two workers that say ready and block until stopped."""
     if method == "binary":
         return aioelastic.start_processes(
             "blk",
             sys.executable,
-            _ranks(2, "-m", "tests.children.core", "block", str(fifo.path)),
-            _envs(2),
+            ranks(2, "-m", "tests.children.core", "block", str(fifo.path)),
+            envs(2),
             **kwargs,
         )
     return aioelastic.start_processes(
         "blk",
         core.block_forever,
-        _ranks(2, str(fifo.path)),
-        _envs(2),
+        ranks(2, str(fifo.path)),
+        envs(2),
         start_method=method,
         **kwargs,
     )
@@ -335,7 +328,7 @@ async def test_cancel_anywhere_between_the_slices_of_a_binary_start(
 ) -> None:
     """Binaries are handed to the watchdog in slices of the event loop; a cancellation
     between two records and stops the ones handed over, and starts no other."""
-    monkeypatch.setattr(_pcontext, "_SLICE", 0.0)  # every worker a slice of its own
+    monkeypatch.setattr(_preparing, "SLICE", 0.0)  # every worker a slice of its own
     fifo = _Fifo(tmp_path)
 
     async def scenario(run: Run) -> None:
@@ -366,7 +359,7 @@ async def test_cancel_anywhere_while_a_failure_tears_the_group_down(
             "fail",
             soak.run,
             {r: (p,) for r, p in enumerate(plans)},
-            _envs(2),
+            envs(2),
             start_method="fork",
             grace_period=0.3,
         )
@@ -397,8 +390,8 @@ async def test_cancel_anywhere_in_a_grace_period(
         ctx = aioelastic.start_processes(
             "grace",
             core.grandchild_then,
-            _ranks(2, str(fifo.path), -1, True),
-            _envs(2),
+            ranks(2, str(fifo.path), -1, True),
+            envs(2),
             start_method="forkserver",
             grace_period=0.2,
         )
@@ -426,11 +419,11 @@ async def test_cancel_anywhere_in_run_processes(
     async def scenario(run: Run) -> None:
         if method == "binary":
             result = await aioelastic.run_processes(
-                "run", "true", _ranks(3), _envs(3), redirects=Std.ALL
+                "run", "true", ranks(3), envs(3), redirects=Std.ALL
             )
         else:
             result = await aioelastic.run_processes(
-                "run", core.add, _ranks(3, 1, 2), _envs(3), start_method=method, redirects=Std.ALL
+                "run", core.add, ranks(3, 1, 2), envs(3), start_method=method, redirects=Std.ALL
             )
         assert not result.is_failed()
 
@@ -470,8 +463,8 @@ async def test_cancel_anywhere_in_a_start_that_fails(
         ctx = aioelastic.start_processes(
             "badpreload",
             core.add,
-            _ranks(2, 1, 1),
-            _envs(2),
+            ranks(2, 1, 1),
+            envs(2),
             start_method="forkserver",
             forkserver_preload=("tests.children.import_fails",),
         )

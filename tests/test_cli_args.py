@@ -475,7 +475,7 @@ def test_module_no_python_and_run_path_commands() -> None:
     # Our own interpreter runs the script through the stack hook; PYTHON_EXEC's as is.
     assert command([]).target() == (
         sys.executable,
-        ("-u", "-m", "aioelastic._core._stack_hook", "train.py", "--lr", "0.1"),
+        ("-u", "-m", "aioelastic.stack_hook", "train.py", "--lr", "0.1"),
     )
     assert command([], {"PYTHON_EXEC": "/opt/py"}).target()[1][:2] == ("-u", "train.py")
 
@@ -555,41 +555,42 @@ def test_missing_script_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
     from aioelastic._core import _values as values
+    from aioelastic._elastic import _node_values as node_values
 
     # Text from the command line and typed values from the API parse to the same thing.
     assert values.port("0") == values.port(0) == 0
-    assert values.exit_codes("2,-9") == values.exit_codes({2, -9}) == frozenset({2, -9})
+    assert node_values.exit_codes("2,-9") == node_values.exit_codes({2, -9}) == frozenset({2, -9})
     assert values.rank_filter("0,1", 2) == values.rank_filter([1, 0], 2) == frozenset({0, 1})
     assert values.rank_filter("", 2) is values.rank_filter(None, 2) is None
     assert values.duration("0.5") == values.duration(0.5) == 0.5
-    assert values.nnodes("1:4") == values.node_range(1, 4) == (1, 4)
-    assert values.nnodes(3) == (3, 3)
-    assert values.signals("SIGTERM, SIGUSR1,SIGTERM") == (signal.SIGTERM, signal.SIGUSR1)
-    assert values.signals("") == ()
-    assert values.endpoint("[::1]:29400") == ("::1", 29400)
-    assert values.endpoint("node0", 29500) == ("node0", 29500)
+    assert node_values.nnodes("1:4") == node_values.node_range(1, 4) == (1, 4)
+    assert node_values.nnodes(3) == (3, 3)
+    assert node_values.signals("SIGTERM, SIGUSR1,SIGTERM") == (signal.SIGTERM, signal.SIGUSR1)
+    assert node_values.signals("") == ()
+    assert node_values.endpoint("[::1]:29400") == ("::1", 29400)
+    assert node_values.endpoint("node0", 29500) == ("node0", 29500)
     assert values.name("trainer-é") == "trainer-é"
-    assert values.shutdown_timeout(None, {}) == 30.0
-    assert values.shutdown_timeout(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "4"}) == 4.0
-    assert values.shutdown_timeout(2, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "4"}) == 2.0
+    assert node_values.shutdown_timeout(None, {}) == 30.0
+    assert node_values.shutdown_timeout(None, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "4"}) == 4.0
+    assert node_values.shutdown_timeout(2, {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "4"}) == 2.0
     with pytest.raises(TypeError, match="True is a bool"):
         values.positive_int(True)
     with pytest.raises(ValueError, match="inf is not a finite number of seconds"):
         values.duration("inf")
     with pytest.raises(TypeError, match="not a collection of exit codes"):
-        values.exit_codes(2)
+        node_values.exit_codes(2)
 
 
 @pytest.mark.timeout(60)
 def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     from aioelastic import elastic_launch
-    from aioelastic._core import _values as values
+    from aioelastic._elastic import _node_values as node_values
     from aioelastic._elastic._config import AgentConfig
 
     builds: list[dict[str, Any]] = []
     shutdown_reads: list[object] = []
-    build, read = AgentConfig.build.__func__, values.shutdown_timeout  # type: ignore[attr-defined]
+    build, read = AgentConfig.build.__func__, node_values.shutdown_timeout  # type: ignore[attr-defined]
 
     def counted_build(cls: type[AgentConfig], **kw: Any) -> AgentConfig:
         builds.append(kw)
@@ -600,7 +601,7 @@ def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.Mon
         return read(value, environ)
 
     monkeypatch.setattr(AgentConfig, "build", classmethod(counted_build))
-    monkeypatch.setattr(values, "shutdown_timeout", counted_read)
+    monkeypatch.setattr(node_values, "shutdown_timeout", counted_read)
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "4")
     c = config(["--nproc-per-node", "2"])
     c.log_dir = tmp_path  # set per run by the launcher: applied, not parsed

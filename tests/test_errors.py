@@ -20,13 +20,9 @@ from typing import Any, NoReturn
 
 import pytest
 
-from aioelastic._core._errors import (
-    ChildFailedError,
-    ProcessFailure,
-    read_error_file,
-    record,
-    write_error_file,
-)
+from aioelastic._core._error_file import read_error_file, write_error_file
+from aioelastic._core._failures import ChildFailedError, ProcessFailure
+from aioelastic._core._record import record
 from aioelastic._core._results import RunProcsResult
 from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
 
@@ -664,7 +660,9 @@ def test_run_procs_result() -> None:
 
 def test_importing_errors_does_not_import_torch() -> None:
     code = (
-        "import sys, aioelastic._core._errors, aioelastic._core._results, aioelastic._core._std; "
+        "import sys, aioelastic._core._errors, aioelastic._core._error_file; "
+        "import aioelastic._core._failures, aioelastic._core._record; "
+        "import aioelastic._core._results, aioelastic._core._std; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     proc = subprocess.run(

@@ -22,13 +22,10 @@ import pytest
 
 import aioelastic
 from tests.children import core, faults
+from tests.groups import envs
 from tests.waits import ReadyFifo, close_with_reporter_stopped
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def envs(n: int) -> dict[int, dict[str, str]]:
-    return {rank: {} for rank in range(n)}
 
 
 def python_m(

@@ -22,13 +22,10 @@ from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_
 from aioelastic._core._forkserver_process import SPARE_NAME
 from tests.audit import spare_pids
 from tests.children import core, preload_gc
+from tests.groups import envs
 from tests.waits import ReadyFifo, is_running, process_state, wait_gone
 
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
-
-
-def envs(n: int) -> dict[int, dict[str, str]]:
-    return {rank: {} for rank in range(n)}
 
 
 def _stop(preload: tuple[str, ...]) -> None:

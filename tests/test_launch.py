@@ -24,8 +24,9 @@ import anyio.to_thread
 import pytest
 
 from aioelastic._compat._launch import MainProcessError, WorkerError, free_port, launch
-from aioelastic._core._errors import ChildFailedError
+from aioelastic._core._failures import ChildFailedError
 from tests.children import spawn as children
+from tests.waits import is_running
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -257,10 +258,6 @@ def _pids(directory: Path) -> list[int]:
     return [int(p) for f in directory.glob("*.pid") for p in f.read_text().split()]
 
 
-def _alive(pid: int) -> bool:
-    return children._alive(pid)
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_to_the_parent_stops_every_worker_and_names_the_signal(
     sig: signal.Signals, tmp_path: Path
@@ -284,7 +281,7 @@ def test_a_signal_to_the_parent_stops_every_worker_and_names_the_signal(
     assert "SIGINT after launch: KeyboardInterrupt" in out
     pids = _pids(tmp_path)
     assert len(pids) == 4
-    assert not [pid for pid in pids if _alive(pid)]
+    assert not [pid for pid in pids if is_running(pid)]
 
 
 def test_a_second_sigint_while_stopping_kills_at_once(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ from aioelastic._core import _logs
 from aioelastic._core._console import ConsoleStream
 from aioelastic._core._frames import Framer, Live
 from aioelastic._core._logs import StreamPump
+from aioelastic._core._platform import proc_stat
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line
 
@@ -941,8 +942,8 @@ def test_beyond_the_high_water_mark_the_worker_waits_and_nothing_is_dropped(
 def _task_stats(pid: int) -> tuple[int, float, int]:
     """Threads, CPU seconds and context switches (all threads) of process ``pid``."""
     tasks = os.listdir(f"/proc/{pid}/task")
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
+    assert fields is not None
     cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     switches = 0
     for tid in tasks:

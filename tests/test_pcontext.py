@@ -15,10 +15,10 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core import _log_root as log_root
-from aioelastic._core import _platform
+from aioelastic._core import _log_root as log_root, _platform
 from aioelastic._core._forkserver import fork_server
 from tests.children import core
+from tests.groups import envs
 from tests.waits import ReadyFifo, is_running
 
 pytestmark = pytest.mark.asyncio
@@ -37,10 +37,6 @@ def exit_watch_mode(
     yield request.param
     monkeypatch.delenv(_platform.NO_PIDFD_ENV, raising=False)
     _platform.pidfd_supported.cache_clear()
-
-
-def envs(n: int, **extra: str) -> dict[int, dict[str, str]]:
-    return {rank: dict(extra) for rank in range(n)}
 
 
 def _failing_and_blocking(ready: ReadyFifo, go: Path, grace_period: float) -> aioelastic.PContext:
@@ -75,6 +71,31 @@ async def test_binary_workers_succeed() -> None:
     )
     assert not result.is_failed()
     assert result.return_values == {0: None, 1: None, 2: None}
+
+
+async def test_a_group_and_its_workers_say_what_they_are_and_where_they_stand(
+    tmp_path: Path,
+) -> None:
+    ready = ReadyFifo(tmp_path)
+    ctx = aioelastic.start_processes(
+        "shown", core.block_forever, {0: (str(ready.path),)}, envs(1), grace_period=5
+    )
+    assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 new started=0>"
+    try:
+        async with ctx:
+            await ready.lines(1)
+            assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 running started=1>"
+            (worker,) = ctx._workers
+            assert repr(worker) == f"<WorkerProcess local_rank=0 pid={worker.pid} running>"
+            await ctx.close()
+            assert repr(ctx) == "<PContext 'shown' spawn nprocs=1 closed started=1>"
+            assert repr(worker) == (
+                f"<WorkerProcess local_rank=0 pid={worker.pid} stopped exitcode=-15>"
+            )
+    finally:
+        ready.close()
+    binaries = aioelastic.start_processes("b", "true", {0: ()}, envs(1))
+    assert repr(binaries) == "<PContext 'b' binary nprocs=1 new started=0>"
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -18,8 +18,7 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
-from aioelastic._core._values import RDZV_OPTIONS  # noqa: E402
-from aioelastic._core._values import endpoint as parse_endpoint  # noqa: E402
+from aioelastic._elastic._node_values import RDZV_OPTIONS, endpoint as parse_endpoint  # noqa: E402
 from aioelastic._elastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
 from aioelastic._elastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
 from tests.spare_node import SpareNodeHandler  # noqa: E402

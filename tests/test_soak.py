@@ -74,10 +74,12 @@ from tests.audit import (
     reaped,
     zombie_children,
 )
-from tests.children import core as core_children
-from tests.children import errors as errors_children
-from tests.children import faults as faults_children
-from tests.children import soak
+from tests.children import (
+    core as core_children,
+    errors as errors_children,
+    faults as faults_children,
+    soak,
+)
 from tests.waits import ReadyFifo, is_running, process_state
 
 pytestmark = pytest.mark.asyncio
@@ -428,7 +430,7 @@ def audit_files(rnd: Round, log_root: Path | None, audit: Audit) -> None:
 
 
 def audit_temp_dirs(rnd: Round, tmp: Path, before: set[str], audit: Audit) -> Path | None:
-    """The rule of _pcontext._remove_temporary_logs: a temp dir is kept iff it holds a file.
+    """The rule of _preparing.GroupFiles.remove_temporary: a temp dir is kept iff it holds a file.
 
     Returns the round's temporary log directory, if one was kept.
     """

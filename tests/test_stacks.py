@@ -402,3 +402,16 @@ def test_a_dump_in_progress_is_seen_in_the_kernels_signal_masks() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACK_SIGNAL})
     assert not _still_dumping(os.getpid())
     assert not _still_dumping(2**22 + 12345)  # no such process
+
+
+def test_a_binary_runs_the_hook_by_its_public_name_or_the_old_private_one() -> None:
+    from aioelastic._core._start_methods import runs_stack_hook
+
+    assert script_argv("python", "train.py", ["--lr", "1"])[1:4] == [
+        "-u",
+        "-m",
+        "aioelastic.stack_hook",
+    ]
+    assert runs_stack_hook(("-u", "-m", "aioelastic.stack_hook", "train.py"))
+    assert runs_stack_hook(("-m", "aioelastic._core._stack_hook", "train.py"))
+    assert not runs_stack_hook(("-c", "aioelastic.stack_hook"))

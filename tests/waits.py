@@ -19,6 +19,8 @@ from typing import Any
 import anyio
 import anyio.abc
 
+from aioelastic._core._platform import proc_stat
+
 
 class ReadyFifo:
     """A named pipe a worker writes ``ready``-style lines to."""
@@ -51,12 +53,8 @@ class ReadyFifo:
 
 def process_state(pid: int) -> str | None:
     """The /proc state letter of ``pid`` (``None`` when it no longer exists)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return stat[stat.rindex(b")") + 2 :].split()[0].decode()
+    fields = proc_stat(pid, 1)
+    return None if fields is None else fields[0].decode()
 
 
 def is_running(pid: int) -> bool:

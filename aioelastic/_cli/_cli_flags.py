@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .._core import _values as values
 from .._core._std import Std
-from .._core._values import cli_type
+from .._elastic import _node_values as node_values
 
 __all__ = ["ENV_PREFIX", "FLAGS", "TORCH_PREFIX_ENV", "Flag", "flag_for"]
 
@@ -30,12 +30,33 @@ ENV_PREFIX = "PET_"
 TORCH_PREFIX_ENV = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 """Where torchrun reads its (flag-less) log line prefix template from."""
 
-TORCH_SHUTDOWN_ENV = values.SHUTDOWN_TIMEOUT_ENV
+TORCH_SHUTDOWN_ENV = node_values.SHUTDOWN_TIMEOUT_ENV
+
+
+_T = TypeVar("_T")
+
+
+def cli_type(parse: Callable[[str], _T], metavar: str) -> Callable[[str], _T]:
+    """``parse`` as an argparse ``type``: its message shown as is, after the flag's name.
+
+    argparse turns a ValueError from ``type`` into a bare "invalid value"; an
+    ArgumentTypeError keeps our message, and argparse adds the usage line and exits 2.
+    """
+    import argparse  # only the command line needs it; the API path stays lighter
+
+    def convert(text: str) -> _T:
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = metavar
+    return convert
 
 
 def _endpoint_text(text: str) -> str:
     """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch."""
-    values.endpoint(text)
+    node_values.endpoint(text)
     return text.strip()
 
 
@@ -47,7 +68,7 @@ def _log_dir_text(text: str) -> str:
 
 def _signals_text(text: str) -> str:
     """``--signals-to-handle``: checked now, kept as text (exported to workers as given)."""
-    values.signals(text)
+    node_values.signals(text)
     return text
 
 
@@ -108,7 +129,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- sizes ------------------------------------------------------------------------
     Flag(
         _both("nnodes"),
-        cli_type(values.nnodes, "N|MIN:MAX"),
+        cli_type(node_values.nnodes, "N|MIN:MAX"),
         "1:1",
         "Number of nodes, or the range of nodes as MIN:MAX.",
         metavar="N|MIN:MAX",
@@ -124,7 +145,7 @@ FLAGS: tuple[Flag, ...] = (
     # -- rendezvous -------------------------------------------------------------------
     Flag(
         _both("rdzv-backend"),
-        cli_type(values.rdzv_backend, "BACKEND"),
+        cli_type(node_values.rdzv_backend, "BACKEND"),
         "static",
         "Rendezvous backend (static, c10d, etcd, ...).",
     ),
@@ -138,7 +159,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag(_both("rdzv-id"), str, "none", "Job id shared by every node of the job."),
     Flag(
         _both("rdzv-conf"),
-        cli_type(values.rdzv_conf, "K=V,..."),
+        cli_type(node_values.rdzv_conf, "K=V,..."),
         "",
         "Rendezvous options, KEY=VALUE,KEY=VALUE (e.g. join_timeout=60).",
         metavar="K=V,...",
@@ -269,7 +290,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("master-addr"),
-        cli_type(values.host, "ADDR"),
+        cli_type(node_values.host, "ADDR"),
         "127.0.0.1",
         "Address of node rank 0 (static rendezvous only).",
         metavar="ADDR",
@@ -283,7 +304,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         _both("local-addr"),
-        cli_type(values.host, "ADDR"),
+        cli_type(node_values.host, "ADDR"),
         None,
         "This node's address as its peers should see it (default: its FQDN).",
         metavar="ADDR",
@@ -372,7 +393,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--no-retry-exit-codes",),
-        cli_type(values.exit_codes, "CODES"),
+        cli_type(node_values.exit_codes, "CODES"),
         "",
         "Worker exit codes that fail the job at once, restarts left or not (e.g. 2,3 for "
         "usage and configuration errors that a restart cannot fix).",
@@ -399,7 +420,7 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         ("--metrics-host",),
-        cli_type(values.host, "ADDRESS"),
+        cli_type(node_values.host, "ADDRESS"),
         "127.0.0.1",
         "The address --metrics-port and TORCHELASTIC_HEALTH_CHECK_PORT bind.",
         ours=True,

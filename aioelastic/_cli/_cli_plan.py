@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._core import _values as values
+from .._core import _stack_hook as stack_hook, _values as values
 from .._core._std import Std, to_map
+from .._elastic import _node_values as node_values
 from .._elastic._agent_types import RestartBackoff
 from .._elastic._elastic_launch import LaunchConfig
 from ._cli_flags import FLAGS, flag_for
@@ -83,7 +84,7 @@ class CommandLine:
             # Our own interpreter: run the script through the stack hook (docs/hangs.md),
             # which registers the handler answering stack requests, then runs it as
             # `python -u` would. Another interpreter (PYTHON_EXEC) may lack aioelastic.
-            return self.entrypoint, ("-u", "-m", "aioelastic._core._stack_hook", *self.args[1:])
+            return self.entrypoint, ("-u", "-m", stack_hook.MODULE, *self.args[1:])
         return self.entrypoint, self.args
 
 
@@ -185,10 +186,10 @@ def config_from_args(
     # node, as in torchrun): torch refuses a bad one only once its store is up, as a
     # launcher failure, and ignores a misspelt one.
     try:
-        values.rdzv_options(backend, args.rdzv_conf)
+        node_values.rdzv_options(backend, args.rdzv_conf)
     except (ValueError, TypeError) as e:
         raise type(e)(f"argument {_names('rdzv_conf')}: {e}") from None
-    read = values.RDZV_OPTIONS.get(backend)
+    read = node_values.RDZV_OPTIONS.get(backend)
     if read is not None and "timeout" in args.rdzv_conf and "timeout" not in read:
         warnings.append(
             f"--rdzv-conf timeout={args.rdzv_conf['timeout']} is ignored by the {backend} "

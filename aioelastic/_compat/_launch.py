@@ -26,7 +26,8 @@ from typing import Any
 
 from .._core import _values as values
 from .._core._backend import require_asyncio
-from .._core._errors import ChildFailedError
+from .._core._exit_status import signal_text
+from .._core._failures import ChildFailedError
 from .._core._pcontext import start_processes
 from .._core._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
 
@@ -72,10 +73,7 @@ class MainProcessError(multiprocessing.ProcessError):
 
     def __init__(self, signal_no: int) -> None:
         self.signal_no = signal_no
-        try:
-            name = signal.Signals(signal_no).name
-        except ValueError:
-            name = f"signal {signal_no}"
+        name = signal_text(signal_no)
         description = signal.strsignal(signal_no) or name
         super().__init__(f"{name} received, exiting due to {description}.")
 

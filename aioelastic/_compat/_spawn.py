@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._core import _values as values
-from .._core._errors import ChildFailedError, ProcessFailure, _exit_description, _traceback_text
+from .._core._exit_status import exit_description
+from .._core._failures import ChildFailedError, ProcessFailure, failure_traceback
 from .._core._pcontext import run_processes
 
 __all__ = [
@@ -162,7 +163,7 @@ def _exception_for(index: int, failure: ProcessFailure) -> ProcessException:
     if failure.error_file_data:
         return ProcessRaisedException(
             f"\n\n-- Process {index:d} terminated with the following error:\n"
-            f"{_traceback_text(failure)}",
+            f"{failure_traceback(failure)}",
             index,
             failure.pid,
         )
@@ -189,6 +190,6 @@ def _stderr_tail(failure: ProcessFailure) -> str:
     # Without an error file, failure.message is the worker's last stderr lines, or only a
     # restatement of the exit status when it printed nothing (then it adds nothing).
     detail = failure.message.strip("\n")
-    if not detail.strip() or detail == _exit_description(failure.exitcode):
+    if not detail.strip() or detail == exit_description(failure.exitcode):
         return ""
     return f"; its last lines on stderr:\n{detail}"

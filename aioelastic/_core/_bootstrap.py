@@ -98,7 +98,7 @@ def _run_script(script: ScriptRun, args: tuple[Any, ...], result_fd: int) -> int
 
 def _record(error_file: str, exc: BaseException, message: str | None = None) -> None:
     # Imported only on failure: a worker that succeeds never loads the error machinery.
-    from ._errors import write_error_file
+    from ._error_file import write_error_file
 
     write_error_file(error_file, exc, message=message)
 

@@ -18,7 +18,7 @@ to watch, chosen by :func:`watch_child`:
 * :class:`StatusPipeWatch` — for workers forked by our fork server (not our children):
   the server watches them and writes the exit status into a pipe only we and it hold.
   (Binary workers, the watchdog's children, are reported on their start batch's socket:
-  :class:`~aioelastic._core._watchdog.SpawnedWatch`.)
+  :class:`~aioelastic._core._binary_start.SpawnedWatch`.)
 """
 
 from __future__ import annotations

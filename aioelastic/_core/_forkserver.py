@@ -85,6 +85,10 @@ class ForkServer:
         # While one task starts the server, the others wait for it here.
         self._starting: _Starting | None = None
 
+    def __repr__(self) -> str:
+        state = "running" if self._sock is not None else "not running"
+        return f"<ForkServer preload={list(self.preload)} pid={self._pid} {state}>"
+
     @property
     def pid(self) -> int | None:
         """The server's pid, once started."""

@@ -24,8 +24,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -36,14 +36,13 @@ from . import _platform, _subreaper
 from ._bootstrap import FunctionCall, forked_worker
 from ._exit_watch import ExitWatch, watch_child
 from ._runtime import runtime
-from ._watchdog import MAX_BATCH, BinaryStart, Spawned, StartBatch, decode_env, watchdog
 
 T = TypeVar("T")
 
 _LAUNCHER_THREADS = 8
 
 
-def _launcher_pool() -> ThreadPoolExecutor:
+def launcher_pool() -> ThreadPoolExecutor:
     with runtime.lock:
         if runtime.launcher_pool is None:
             _platform.load_prctl()
@@ -60,7 +59,7 @@ async def on_launcher_thread(fn: Callable[..., T], *args: object) -> T:
     reach the caller, who records it so that teardown can stop it. A start call takes
     milliseconds, so the shield delays a cancellation by no more than that.
     """
-    future = _launcher_pool().submit(fn, *args)
+    future = launcher_pool().submit(fn, *args)
     with anyio.CancelScope(shield=True):
         # anyio has no way to await a concurrent.futures.Future other than on a thread
         # of its own: asyncio's bridge resolves it from the executor's callback.
@@ -112,150 +111,6 @@ def _disown(popen: subprocess.Popen[bytes]) -> None:
     # with returncode None, subprocess would put a collected Popen on its _active list
     # and reap the pid behind our back, freeing the pid/pgid while we may still signal it.
     popen.returncode = 0
-
-
-def _launched(outcome: Spawned) -> Launched | BaseException:
-    """A watchdog start's outcome as a :class:`Launched` (or the error, as it is)."""
-    return outcome if isinstance(outcome, BaseException) else Launched(*outcome)
-
-
-class BinaryLauncher:
-    """Starts the binary workers of one group in batches, from the event loop itself.
-
-    The group's set-up hands each start over with :meth:`submit` and later awaits its
-    process. The first start is sent to the watchdog at once; the starts handed over
-    while a batch is in flight wait for its answers and then go together, in as few
-    messages as the watchdog takes (group commit). The watchdog answers each worker as
-    it is made, on the batch's own socket, which the event loop reads like any other
-    file: the loop sets up the next workers and puts the made ones to use while the
-    watchdog spawns on, and no thread is involved. (A thread would be: each of its
-    hand-offs waits for the GIL while the loop is busy setting up workers, up to a
-    switch interval of 5 ms each time, which made a group's first start take 20 ms.)
-    Only when the message cannot be sent without waiting (the watchdog not running,
-    its socket full) is it sent from a launcher thread.
-
-    The watchdog starts each binary (no shell) in a new process group that dies with us:
-    no ``fork()`` of this possibly large process, and the parent-death guarantee without
-    a ``preexec_fn``. A start's ``stdout_fd`` of ``1`` means our *current* stdout, not
-    the one the watchdog had when it started.
-    """
-
-    def __init__(self, base_env: Mapping[str, str]) -> None:
-        #: The environment every worker starts from (each start's ``env`` is laid over it).
-        self._base_env = decode_env(base_env)
-        self._pending: list[tuple[BinaryStart, asyncio.Future[Launched]]] = []
-        #: Batches sent whose answers are still coming.
-        self._in_flight = 0
-
-    def submit(self, start: BinaryStart) -> asyncio.Future[Launched]:
-        """Hand ``start`` over; the future gets its process once its batch was started.
-
-        The future always completes: the batch in flight answers (or fails), and then
-        this one goes. Its exception: :class:`OSError`, the binary could not be executed
-        (the errno of ``posix_spawn``); :class:`RuntimeError`, the watchdog died while
-        starting it.
-        """
-        future: asyncio.Future[Launched] = asyncio.get_running_loop().create_future()
-        self._pending.append((start, future))
-        if not self._in_flight:
-            self._flush()
-        return future
-
-    def send_pending(self) -> None:
-        """Send the starts handed over so far now, without waiting for the batch in flight.
-
-        For the group's last starts: nothing more will join them, and waiting for the
-        batch in flight to be answered would leave the watchdog idle for a round trip
-        (its answers read, then this batch sent and received) between the two.
-        """
-        if self._pending:
-            self._flush()
-
-    async def start(self, start: BinaryStart) -> Launched:
-        """The process of ``start`` (see :meth:`submit`)."""
-        future = self.submit(start)
-        # Shielded: a process that may exist must reach the caller, who records it.
-        with anyio.CancelScope(shield=True):
-            launched = await future
-        return launched
-
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, []
-        loop = asyncio.get_running_loop()
-        for first in range(0, len(pending), MAX_BATCH):
-            self._in_flight += 1
-            self._send(loop, pending[first : first + MAX_BATCH])
-
-    def _send(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        batch: list[tuple[BinaryStart, asyncio.Future[Launched]]],
-    ) -> None:
-        starts = [start for start, _ in batch]
-        try:
-            sent = watchdog.send_batch(self._base_env, starts, block=False)
-        except BlockingIOError:
-            pass
-        else:
-            self._listen(loop, sent, batch)
-            return
-
-        def on_thread_done(done: Future[StartBatch]) -> None:
-            loop.call_soon_threadsafe(self._listen_or_fail, loop, done, batch)
-
-        try:
-            _launcher_pool().submit(
-                watchdog.send_batch, self._base_env, starts, block=True
-            ).add_done_callback(on_thread_done)
-        except BaseException as exc:
-            self._answered(batch, exc)
-
-    def _listen_or_fail(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        done: Future[StartBatch],
-        batch: list[tuple[BinaryStart, asyncio.Future[Launched]]],
-    ) -> None:
-        error = done.exception()
-        if error is not None:
-            self._answered(batch, error)
-        else:
-            self._listen(loop, done.result(), batch)
-
-    def _listen(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        sent: StartBatch,
-        batch: list[tuple[BinaryStart, asyncio.Future[Launched]]],
-    ) -> None:
-        unanswered = iter(batch)
-
-        def on_answers(outcomes: list[Spawned], last: bool) -> None:
-            for outcome in outcomes:
-                _, future = next(unanswered)
-                _settle(future, _launched(outcome))
-            if last:
-                self._answered(list(unanswered), None)
-
-        sent.listen(loop, on_answers)
-
-    def _answered(
-        self,
-        batch: list[tuple[BinaryStart, asyncio.Future[Launched]]],
-        error: BaseException | None,
-    ) -> None:
-        for _, future in batch:
-            _settle(future, error or RuntimeError("binary start was not answered"))
-        self._in_flight -= 1
-        if not self._in_flight:
-            self._flush()
-
-
-def _settle(future: asyncio.Future[Launched], result: Launched | BaseException) -> None:
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 
 
 def python_command(code: str) -> list[str]:

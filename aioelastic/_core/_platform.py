@@ -124,8 +124,14 @@ def _pids() -> list[int]:
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
-def _stat(pid: int) -> tuple[str, int, int] | None:
-    """``(state letter, ppid, pgrp)`` of ``pid``, ``None`` once it is gone."""
+def proc_stat(pid: int | str, maxsplit: int = -1) -> list[bytes] | None:
+    """The fields of ``/proc/PID/stat`` from the state on; ``None`` once ``pid`` is gone.
+
+    The command name may contain spaces and parentheses, so the fields are those after
+    its last ``)``: ``[state, ppid, pgrp, session, ...]`` (``utime`` and ``stime`` at 11
+    and 12), that is proc(5)'s field ``n`` at index ``n - 3``. ``maxsplit`` as for
+    :meth:`bytes.split`: the fields past it are left as one.
+    """
     # Raw os.open/os.read: a Python file object costs more than the read itself, and a
     # scan reads one file per process of the machine.
     try:
@@ -140,9 +146,15 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
         os.close(fd)
     if not stat:
         return None
-    # The command name may contain spaces and parentheses: fields start after the last
-    # ')'. Fields from there: state, ppid, pgrp.
-    state, ppid, pgrp, _ = stat[stat.rindex(b")") + 2 :].split(None, 3)
+    return stat[stat.rindex(b")") + 2 :].split(None, maxsplit)
+
+
+def _stat(pid: int) -> tuple[str, int, int] | None:
+    """``(state letter, ppid, pgrp)`` of ``pid``, ``None`` once it is gone."""
+    fields = proc_stat(pid, 3)
+    if fields is None:
+        return None
+    state, ppid, pgrp, _ = fields
     return state.decode(), int(ppid), int(pgrp)
 
 

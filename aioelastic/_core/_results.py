@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ProcessFailure
+from ._failures import ProcessFailure
 
 __all__ = ["RunProcsResult"]
 

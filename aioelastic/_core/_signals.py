@@ -49,6 +49,8 @@ from typing import Any, TypeVar
 import anyio
 
 from ._backend import require_asyncio
+from ._exit_status import signal_text
+from ._to_the_end import wait_out
 
 __all__ = [
     "DEFAULT_SIGNALS",
@@ -77,7 +79,7 @@ class SignalReceived(Exception):
 
     def __init__(self, signum: int) -> None:
         self.signum: int = _as_signal(signum)
-        super().__init__(f"{_signal_name(signum)} received")
+        super().__init__(f"{signal_text(signum)} received")
 
     @property
     def exit_code(self) -> int:
@@ -213,7 +215,7 @@ class SignalScope:
             # A due action runs even if the block ended before its task got to start it.
             if not started and len(self._received) < after:
                 task.cancel()
-            await _wait_ignoring_cancellation(task)
+            await wait_out(task)
             if not task.cancelled() and task.exception() is not None:
                 error = task.exception()
                 if body_failed:
@@ -287,7 +289,7 @@ def _validate(signals: Iterable[int]) -> frozenset[signal.Signals]:
         if sig not in signal.valid_signals():
             raise ValueError(f"{sig!r} is not a valid signal number on this platform")
         if sig in (signal.SIGKILL, signal.SIGSTOP):
-            raise ValueError(f"{_signal_name(sig)} cannot be caught; leave it out of signals")
+            raise ValueError(f"{signal_text(sig)} cannot be caught; leave it out of signals")
         result.add(signal.Signals(sig))
     if not result:
         raise ValueError("signals is empty; pass e.g. (signal.SIGINT, signal.SIGTERM)")
@@ -331,7 +333,7 @@ class _LoopSignals:
             self.detach(scope)
             warnings.warn(
                 f"aioelastic: cannot handle signals here ({type(e).__name__}: {e}); "
-                f"{', '.join(_signal_name(s) for s in sorted(scope.signals))} stay with the "
+                f"{', '.join(signal_text(s) for s in sorted(scope.signals))} stay with the "
                 "host program. Workers are still stopped when this supervisor is cancelled "
                 "and still die with this process (PR_SET_PDEATHSIG).",
                 RuntimeWarning,
@@ -370,7 +372,7 @@ class _LoopSignals:
         if entry is None:
             return
         if sig != signal.SIGWINCH:  # a window resize is no news (see _terminal)
-            logger.info("received %s", _signal_name(sig))
+            logger.info("received %s", signal_text(sig))
         for scope in list(entry.scopes):
             scope._deliver(sig)
 
@@ -411,27 +413,8 @@ def _restorable(sig: signal.Signals, handler: Any) -> Any:
     return handler
 
 
-async def _wait_ignoring_cancellation(task: asyncio.Task[None]) -> None:
-    """Wait for ``task`` to finish even if we are cancelled meanwhile, then re-raise that."""
-    cancelled: BaseException | None = None
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError as e:
-            cancelled = e
-    if cancelled is not None:
-        raise cancelled
-
-
 def _as_signal(signum: int) -> int:
     try:
         return signal.Signals(signum)
     except ValueError:
         return signum
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"

@@ -13,7 +13,7 @@ curses/rich); torch installs nothing for it; and job schedulers and checkpointin
 forward ``SIGUSR1``/``SIGUSR2``/``SIGTERM``, never it.
 
 Function workers call :func:`install_from_env` in their bootstrap. Scripts we did not
-write are started as ``python -m aioelastic._core._stack_hook script.py args...`` (see
+write are started as ``python -m aioelastic.stack_hook script.py args...`` (see
 :func:`script_argv`): :func:`main` installs the handler, then runs the script through
 :func:`aioelastic._core._script.run_as_main`, the way ``python script.py`` would (``sys.argv``,
 ``sys.path[0]``, ``__main__``, tracebacks, exit status). Both import nothing beyond the
@@ -31,6 +31,11 @@ import sys
 STACK_SIGNAL = signal.SIGURG
 #: The environment variable naming the worker's stacks FIFO.
 STACKS_FIFO_ENV = "AIOELASTIC_STACKS_FIFO"
+#: The public module that runs a script through the hook (``python -m aioelastic.stack_hook``).
+MODULE = "aioelastic.stack_hook"
+#: Every module name that runs a script through the hook: the public one, and this one,
+#: which earlier docs told users to run.
+MODULES = (MODULE, "aioelastic._core._stack_hook")
 
 
 def install_from_env() -> bool:
@@ -62,16 +67,14 @@ def install_from_env() -> bool:
 def script_argv(python: str, script: str, args: list[str], *, module: bool = False) -> list[str]:
     """The command that runs ``script`` (or ``-m module``) with the handler installed."""
     target = ["-m", script] if module else [script]
-    return [python, "-u", "-m", "aioelastic._core._stack_hook", *target, *args]
+    return [python, "-u", "-m", MODULE, *target, *args]
 
 
 def main(argv: list[str] | None = None) -> None:
     """Install the handler, then run a script or module as ``python`` would."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0] == "-m" and len(args) < 2):
-        raise SystemExit(
-            "usage: python -m aioelastic._core._stack_hook (SCRIPT | -m MODULE) [ARGS]"
-        )
+        raise SystemExit(f"usage: python -m {MODULE} (SCRIPT | -m MODULE) [ARGS]")
     install_from_env()
     # The one way a script is run as __main__ (also under --preload): the same
     # sys.argv, sys.path[0], __main__, traceback and exit status as python's own.

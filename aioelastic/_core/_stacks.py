@@ -13,7 +13,6 @@ gone) costs at most that, and never delays a teardown beyond it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import tempfile
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import anyio
 
+from ._fifo import OwnedFifo
 from ._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV
 
 #: Quiet time after which a started dump is taken as complete.
@@ -41,20 +41,17 @@ class StackChannel:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd: int | None = None
+        self._fifo = OwnedFifo(path)
         self._lock = anyio.Lock()
 
     def open(self) -> None:
         """Create the FIFO and open it; call before the worker starts."""
-        os.mkfifo(self.path, 0o600)
-        # Read and write: with a writer of our own the FIFO never reports end-of-file when
-        # a worker closes its end (it would then read as always-readable and spin).
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fifo.open()
 
     @property
     def fd(self) -> int | None:
         """The supervisor's descriptor of the FIFO (``None`` before open or after close)."""
-        return self._fd
+        return self._fifo.fd
 
     def env(self) -> dict[str, str]:
         """The environment entries that tell the worker's bootstrap where to write."""
@@ -66,7 +63,8 @@ class StackChannel:
         Returns the dump, or ``None`` when nothing came within ``timeout`` seconds or the
         process no longer exists.
         """
-        if self._fd is None:
+        fd = self._fifo.fd
+        if fd is None:
             return None
         async with self._lock:
             self._discard()
@@ -76,40 +74,23 @@ class StackChannel:
                 return None
             data = bytearray()
             with anyio.move_on_after(timeout):
-                await anyio.wait_readable(self._fd)
+                await anyio.wait_readable(fd)
                 while len(data) < MAX_DUMP:
-                    data += self._read()
+                    data += self._fifo.drain()
                     with anyio.move_on_after(SETTLE) as quiet:
-                        await anyio.wait_readable(self._fd)
+                        await anyio.wait_readable(fd)
                     if quiet.cancelled_caught and not _still_dumping(pid):
                         break
-            data += self._read()
+            data += self._fifo.drain()
         return _without_hook_frames(data.decode(errors="replace")) if data else None
-
-    def _read(self) -> bytes:
-        assert self._fd is not None
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(self._fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _discard(self) -> None:
         # A late answer to an earlier, timed-out request must not open this one's dump.
-        self._read()
+        self._fifo.drain()
 
     def close(self) -> None:
         """Close and remove the FIFO; idempotent."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._fifo.close()
 
 
 class StackChannels:

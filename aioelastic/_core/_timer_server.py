@@ -20,7 +20,6 @@ make it signal a process that is not ours.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -33,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+
+from ._fifo import OwnedFifo
 
 logger = logging.getLogger("aioelastic")
 
@@ -86,7 +87,7 @@ class TimerServer:
     def __init__(self, path: Path, owner: Callable[[int], int | None]) -> None:
         self.path = path
         self._owner = owner
-        self._fd: int | None = None
+        self._fifo = OwnedFifo(path)
         self._buffer = b""
         #: Inside an overlong line: everything up to its newline is dropped.
         self._discarding = False
@@ -110,15 +111,12 @@ class TimerServer:
                     "a new path (aioelastic creates the FIFO) or remove that file"
                 )
             os.unlink(self.path)
-        os.mkfifo(self.path, 0o600)
-        # Our own writer keeps the FIFO from reporting end-of-file between clients (each
-        # request is one open/write/close); without it the loop would spin on EOF.
-        self._fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        self._fifo.open()
 
     @property
     def fd(self) -> int | None:
         """The server's descriptor of the FIFO (``None`` before open or after close)."""
-        return self._fd
+        return self._fifo.fd
 
     def forget(self, pid: int) -> None:
         """Drop every timer of ``pid`` (call when that worker exits)."""
@@ -139,15 +137,15 @@ class TimerServer:
         Each expiry's handler runs in its own task, so one slow handler (a stack capture)
         does not hold back the timers of other workers.
         """
-        if self._fd is None:
+        fd = self._fifo.fd
+        if fd is None:
             raise RuntimeError("TimerServer.serve() needs open() first")
-        fd = self._fd
         async with anyio.create_task_group() as tg:
             while True:
                 delay = self._until_next(time.time())
                 with anyio.move_on_after(delay):
                     await anyio.wait_readable(fd)
-                    self._take(self._read(fd))
+                    self._take(self._fifo.drain())
                 for expiry in self._pop_expired(time.time()):
                     self.expired_count += 1
                     tg.start_soon(on_expired, expiry)
@@ -156,19 +154,6 @@ class TimerServer:
         if not self._timers:
             return math.inf
         return max(0.0, min(t.expiration for t in self._timers.values()) - now)
-
-    @staticmethod
-    def _read(fd: int) -> bytes:
-        chunks = []
-        while True:
-            try:
-                chunk = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _take(self, data: bytes) -> None:
         self._buffer += data
@@ -260,11 +245,7 @@ class TimerServer:
 
     def close(self) -> None:
         """Close and remove the FIFO; idempotent."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self._fifo.close()
 
 
 def _parse(line: bytes) -> tuple[int, str, float, int]:

@@ -27,6 +27,29 @@ async def to_the_end(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
         Exception: whatever ``work()`` raised.
     """
     task = asyncio.ensure_future(work())
+    cancelled = await _wait_out(task)
+    result = task.result()
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
+async def wait_out(task: asyncio.Future[Any]) -> None:
+    """Wait until ``task`` is done, however it ends, even if this task is cancelled meanwhile.
+
+    Does not look at how ``task`` ended (its result or exception stay for the caller).
+
+    Raises:
+        asyncio.CancelledError: this task was cancelled while waiting (raised once
+            ``task`` is done).
+    """
+    cancelled = await _wait_out(task)
+    if cancelled is not None:
+        raise cancelled
+
+
+async def _wait_out(task: asyncio.Future[Any]) -> asyncio.CancelledError | None:
+    """Wait until ``task`` is done; the cancellation of this task meanwhile, if any."""
     cancelled: asyncio.CancelledError | None = None
     while not task.done():
         try:
@@ -35,7 +58,4 @@ async def to_the_end(work: Callable[[], Coroutine[Any, Any, T]]) -> T:
             await asyncio.wait({task})
         except asyncio.CancelledError as exc:
             cancelled = exc
-    result = task.result()
-    if cancelled is not None:
-        raise cancelled
-    return result
+    return cancelled

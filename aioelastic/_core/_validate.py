@@ -96,7 +96,7 @@ def validate(
         redirects=to_map(redirects, nprocs),
         tee=to_map(tee, nprocs),
         grace_period=float(grace_period),
-        forkserver_preload=_check_preload(forkserver_preload),
+        forkserver_preload=check_preload(forkserver_preload),
         local_ranks_filter=values.field(
             "local_ranks_filter", lambda v: values.rank_filter(v, nprocs), local_ranks_filter
         ),
@@ -201,7 +201,8 @@ def _check_log_dir(log_dir: str | os.PathLike[str] | None, nprocs: int) -> Path 
     return path
 
 
-def _check_preload(preload: Collection[str]) -> tuple[str, ...]:
+def check_preload(preload: Collection[str]) -> tuple[str, ...]:
+    """``forkserver_preload`` checked: module names, each installed (else ValueError)."""
     if isinstance(preload, str):
         raise TypeError(
             f"forkserver_preload must be a sequence of module names, got the str {preload!r}; "

@@ -60,9 +60,6 @@ if TYPE_CHECKING:
 _signal: Any = __import__("_signal")
 
 _MAX_MSG = 1 << 20
-#: Starts per message: up to 3 fds each and 3 more (cwd, answer socket, memfd), well
-#: under the kernel's 253 fds per SCM_RIGHTS message.
-MAX_BATCH = 62
 _DEATH_SIGNAL = _signal.SIGUSR1
 #: Every signal a worker gets back at its default disposition (the watchdog ignores
 #: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
@@ -134,7 +131,9 @@ def _executable(argv0: str, env: dict[str, str]) -> str:
 
 
 class _Server:
-    def __init__(self, sock: _socket.socket) -> None:
+    def __init__(self, sock: _socket.socket, max_batch: int) -> None:
+        #: Starts per message (the supervisor's ``MAX_BATCH``, see main).
+        self._max_batch = max_batch
         self._sock = sock
         self._epoll = select.epoll()
         #: What each registered fd stands for: None for the socket, else a worker's pid.
@@ -171,7 +170,7 @@ class _Server:
         try:
             msg, ancdata, _, _ = self._sock.recvmsg(
                 _MAX_MSG,
-                _socket.CMSG_LEN((3 * MAX_BATCH + 3) * _FD.size),
+                _socket.CMSG_LEN((3 * self._max_batch + 3) * _FD.size),
                 _socket.MSG_CMSG_CLOEXEC,
             )
         except ConnectionResetError:
@@ -317,8 +316,12 @@ class _Server:
 
 
 def main() -> None:
-    """``_watchdog_process.py PARENT_PID SOCKET_FD``."""
-    parent, sock_fd = int(sys.argv[1]), int(sys.argv[2])
+    """``_watchdog_process.py PARENT_PID SOCKET_FD MAX_BATCH``.
+
+    ``MAX_BATCH``: the most starts one message carries, as the supervisor sends them
+    (``aioelastic._core._binary_start.MAX_BATCH``, the one place it is set).
+    """
+    parent, sock_fd, max_batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     _signal.signal(_DEATH_SIGNAL, kill_all)
     # Ctrl-C at a terminal reaches the supervisor's group: the safety net must stay.
     _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
@@ -333,7 +336,7 @@ def main() -> None:
     sock = _socket.socket(fileno=sock_fd)
     sock.sendmsg([b"K"])
     try:
-        _Server(sock).serve()
+        _Server(sock, max_batch).serve()
     finally:
         kill_all()  # also when serving failed: no group may outlive its supervisor's link
 

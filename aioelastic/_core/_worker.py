@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ProcessFailure
+from ._failures import ProcessFailure
 from ._launchers import Launched
 from ._lazy_event import LazyEvent
 from ._logs import StreamPump
@@ -48,6 +48,17 @@ class WorkerProcess:
     #: What went wrong in the supervisor while handling this worker (its exit status,
     #: output or return value could not be fully taken in), for its failure report.
     faults: list[str] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        if self.returncode is None:
+            state = "running"
+        elif self.failure is not None:
+            state = f"failed exitcode={self.returncode}"
+        elif self.settled.is_set():
+            state = f"{'succeeded' if self.succeeded else 'stopped'} exitcode={self.returncode}"
+        else:
+            state = f"exited exitcode={self.returncode}"
+        return f"<WorkerProcess local_rank={self.local_rank} pid={self.pid} {state}>"
 
     @property
     def pid(self) -> int:

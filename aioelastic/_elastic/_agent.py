@@ -44,7 +44,8 @@ import anyio
 
 from .._core import _log_root as log_root
 from .._core._backend import require_asyncio
-from .._core._errors import ProcessFailure
+from .._core._exit_status import signal_text
+from .._core._failures import ProcessFailure
 from .._core._hangs import stack_requests
 from .._core._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from .._core._pcontext import PContext, start_processes
@@ -211,6 +212,13 @@ class LocalElasticAgent:
 
     # -- public surface ----------------------------------------------------------------
 
+    def __repr__(self) -> str:
+        return (
+            f"<LocalElasticAgent role={self._spec.role!r} "
+            f"local_world_size={self._spec.local_world_size} "
+            f"state={self._group.state.name} restarts={self._restart_count}>"
+        )
+
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         """The worker group (a live object: its state and workers change as the run goes)."""
         return self._group
@@ -295,7 +303,7 @@ class LocalElasticAgent:
                 return await scope.run_until_signal(self._invoke_run(rdzv))
         except SignalReceived as e:
             self._group.state = WorkerState.STOPPED
-            self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal.Signals(e.signum).name)
+            self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal_text(e.signum))
             raise
         except anyio.get_cancelled_exc_class():
             self._group.state = WorkerState.STOPPED
@@ -588,7 +596,7 @@ class LocalElasticAgent:
             stall_timeout=self._config.stall_timeout,
         )
         self._output.new_attempt()
-        ctx._share_output(
+        ctx.share_output(
             self._output,
             {w.local_rank: w.global_rank for w in group.workers},
             self._restart_count,

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .._core import _values as values
-from .._core._errors import ProcessFailure
+from .._core._failures import ProcessFailure
+from . import _node_values as node_values
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
@@ -38,7 +39,7 @@ __all__ = [
 
 DEFAULT_ROLE = "default"
 
-DEFAULT_SIGNALS_TO_HANDLE = values.DEFAULT_SIGNALS_TO_HANDLE
+DEFAULT_SIGNALS_TO_HANDLE = node_values.DEFAULT_SIGNALS_TO_HANDLE
 """torch's default for ``TORCHELASTIC_SIGNALS_TO_HANDLE`` / ``--signals-to-handle``."""
 
 _LOCAL_RANK_MACRO = "local_rank"
@@ -167,7 +168,7 @@ class WorkerSpec:
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
         for name in ("master_addr", "local_addr"):
             if getattr(self, name) is not None:
-                values.field(name, values.host, getattr(self, name))
+                values.field(name, node_values.host, getattr(self, name))
         if self.master_port is not None:
             # Port 0 is any free port, which is what None already asks for.
             self.master_port = values.field("master_port", values.port, self.master_port) or None
@@ -178,7 +179,7 @@ class WorkerSpec:
                 f"restart_backoff must be a RestartBackoff or None, got {self.restart_backoff!r}"
             )
         self.no_retry_exit_codes = values.field(
-            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
+            "no_retry_exit_codes", node_values.exit_codes, self.no_retry_exit_codes
         )
 
     def get_entrypoint_name(self) -> str:

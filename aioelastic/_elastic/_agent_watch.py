@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from .._core._errors import ProcessFailure
+from .._core._failures import ProcessFailure
 from .._core._pcontext import PContext
 from .._core._results import RunProcsResult
 from ._job_channel import AttemptEnd, Capture, JobChannel

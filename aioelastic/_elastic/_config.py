@@ -16,6 +16,7 @@ from types import MappingProxyType
 
 from .._core import _values as values
 from .._core._std import Std, to_map
+from . import _node_values as node_values
 from ._metrics import health_port_from_env
 
 __all__ = ["AgentConfig", "SIGNALS_ENV"]
@@ -123,7 +124,7 @@ class AgentConfig:
         env = os.environ if environ is None else environ
         signal_text = signals_to_handle
         if signal_text is None:
-            signal_text = env.get(SIGNALS_ENV, values.DEFAULT_SIGNALS_TO_HANDLE)
+            signal_text = env.get(SIGNALS_ENV, node_values.DEFAULT_SIGNALS_TO_HANDLE)
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             # Made a Path (and checked) by __post_init__.
@@ -148,7 +149,7 @@ class AgentConfig:
             forkserver_preload=values.field(
                 "forkserver_preload", values.module_names, tuple(forkserver_preload)
             ),
-            signals=values.field("signals_to_handle", values.signals, signal_text),
+            signals=values.field("signals_to_handle", node_values.signals, signal_text),
             exported_signals=signals_to_handle,
             run_id=run_id,
             stall_timeout=None
@@ -157,6 +158,6 @@ class AgentConfig:
             metrics_port=None
             if metrics_port is None
             else values.field("metrics_port", values.port, metrics_port),
-            metrics_host=values.field("metrics_host", values.host, metrics_host),
+            metrics_host=values.field("metrics_host", node_values.host, metrics_host),
             health_port=health_port_from_env(env),
         )

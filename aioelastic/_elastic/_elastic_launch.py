@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core import _values as values
+from .._core import _stack_hook as stack_hook, _values as values
 from .._core._backend import require_asyncio
-from .._core._errors import ChildFailedError
+from .._core._failures import ChildFailedError
 from .._core._signals import SignalReceived
 from .._core._std import Std
+from . import _node_values as node_values
 from ._agent import LocalElasticAgent
 from ._agent_types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec
 from ._config import AgentConfig
@@ -86,7 +87,7 @@ def static_store(endpoint: str, max_nodes: int) -> tuple[str, int | None]:
     Raises:
         ValueError: not ``HOST[:PORT]``, or no fixed port for more than one node.
     """
-    host, port = values.endpoint(endpoint)
+    host, port = node_values.endpoint(endpoint)
     if port:
         return host, port
     if max_nodes == 1:
@@ -218,7 +219,7 @@ class LaunchConfig:
             values.field(name, values.positive_int, getattr(self, name))
         values.field(
             "min_nodes, max_nodes",
-            lambda pair: values.node_range(*pair),
+            lambda pair: node_values.node_range(*pair),
             (self.min_nodes, self.max_nodes),
         )
         unsupported = {
@@ -238,12 +239,12 @@ class LaunchConfig:
                     f"LaunchConfig.{name}={getattr(self, name)!r} is not supported by "
                     f"aioelastic{'; ' + hint if hint else ''}"
                 )
-        values.field("rdzv_backend", values.rdzv_backend, self.rdzv_backend)
+        values.field("rdzv_backend", node_values.rdzv_backend, self.rdzv_backend)
         # Copied, not updated in place: the caller's dict may be shared between configs.
         # Checked against the backend's options now, not when the launch makes a handler.
         self.rdzv_configs = values.field(
             "rdzv_configs",
-            lambda v: values.rdzv_conf(v, self.rdzv_backend),
+            lambda v: node_values.rdzv_conf(v, self.rdzv_backend),
             self.rdzv_configs,
         )
         if self.rdzv_timeout != -1:
@@ -251,15 +252,15 @@ class LaunchConfig:
         elif "timeout" not in self.rdzv_configs:
             self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
         self.shutdown_timeout = values.field(
-            "shutdown_timeout", values.shutdown_timeout, self.shutdown_timeout
+            "shutdown_timeout", node_values.shutdown_timeout, self.shutdown_timeout
         )
         values.field("role", values.name, self.role)
         if self.local_addr is not None:
-            values.field("local_addr", values.host, self.local_addr)
+            values.field("local_addr", node_values.host, self.local_addr)
         values.field("max_restarts", values.non_negative_int, self.max_restarts)
         values.field("monitor_interval", values.positive_duration, self.monitor_interval)
         self.no_retry_exit_codes = values.field(
-            "no_retry_exit_codes", values.exit_codes, self.no_retry_exit_codes
+            "no_retry_exit_codes", node_values.exit_codes, self.no_retry_exit_codes
         )
         # The agent's settings and the store address, checked now rather than at launch,
         # and kept: the launch reads them as they are (see _derived).
@@ -306,7 +307,7 @@ class LaunchConfig:
                 "rdzv_endpoint", lambda text: static_store(text, self.max_nodes), endpoint
             )
         else:
-            values.field("rdzv_endpoint", values.endpoint, endpoint)
+            values.field("rdzv_endpoint", node_values.endpoint, endpoint)
         agent = AgentConfig.build(
             nprocs=self.nproc_per_node,
             start_method=self.start_method,
@@ -333,7 +334,7 @@ def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> s
         if entrypoint == sys.executable:
             # The stack hook's wrapper (see run.py) is not the user's script.
             names = [str(a) for a in args if not str(a).startswith("-")]
-            names = [n for n in names if n != "aioelastic._core._stack_hook"]
+            names = [n for n in names if n not in stack_hook.MODULES]
             return names[0] if names else ""
         return entrypoint
     return str(getattr(entrypoint, "__name__", repr(entrypoint)))

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .._core import _values as values
+from . import _node_values as node_values
 from ._rdzv_thread import on_daemon_thread
 
 if TYPE_CHECKING:
@@ -84,7 +84,7 @@ async def create_rdzv_handler(
     if not isinstance(run_id, str) or not run_id:
         raise ValueError(f"run_id must be a non-empty str, got {run_id!r}")
     _validate_nodes(min_nodes, max_nodes)
-    values.rdzv_options(backend, config)
+    node_values.rdzv_options(backend, config)
     if backend in ("etcd", "etcd-v2") and importlib.util.find_spec("etcd") is None:
         # torch's own message names a module called 'etcd', and the PyPI package of that
         # name is another client that torch cannot use.

@@ -44,6 +44,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aioelastic._core._platform import proc_stat
 from benchmarks._spec import (
     Group,
     Measure,
@@ -198,15 +199,8 @@ def _session(sid: int) -> list[int]:
     """The processes of session ``sid`` (from ``/proc``; its leader must not be reaped yet)."""
     members = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # After the command's closing parenthesis: state, ppid, pgrp, session, ...
-        if int(stat[stat.rindex(b")") + 2 :].split()[3]) == sid:
+        fields = proc_stat(entry, 4) if entry.isdigit() else None
+        if fields is not None and int(fields[3]) == sid:
             members.append(int(entry))
     return members
 

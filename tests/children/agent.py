@@ -173,7 +173,7 @@ def _event_json(event: Any) -> str:
 async def _run_agent(opts: argparse.Namespace) -> int:
     import anyio
 
-    from aioelastic._core._errors import ChildFailedError
+    from aioelastic._core._failures import ChildFailedError
     from aioelastic._core._signals import SignalReceived
     from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch
 

@@ -199,11 +199,9 @@ def subreaper_demo(fifo: str) -> None:
                 await anyio.wait_readable(ready_fd)
                 seen += os.read(ready_fd, 4096)
             escaped = int(seen.split()[1])
-        try:
-            with open(f"/proc/{escaped}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            state = "gone"
+        from tests.waits import process_state
+
+        state = process_state(escaped) or "gone"
         print("escaped", escaped, state, flush=True)
 
     anyio.run(run)

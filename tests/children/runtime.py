@@ -20,7 +20,7 @@ import anyio
 
 from aioelastic._core import _forkserver
 from aioelastic._core._console import console
-from aioelastic._core._launchers import _launcher_pool, on_launcher_thread
+from aioelastic._core._launchers import launcher_pool, on_launcher_thread
 from aioelastic._core._runtime import Runtime, runtime
 from aioelastic._core._subreaper import enable_subreaper, subreaper_enabled
 from aioelastic._core._watchdog import watchdog
@@ -86,7 +86,7 @@ def _child_checks(
     # on_launcher_thread is shielded from cancellation: wait on the pool's future
     # directly, with a deadline, so that an inherited pool (no threads) fails the check.
     try:
-        ran_on = _launcher_pool().submit(os.getpid).result(timeout=CHILD_TIMEOUT)
+        ran_on = launcher_pool().submit(os.getpid).result(timeout=CHILD_TIMEOUT)
     except TimeoutError:
         ran_on = None
     checks["launcher threads work"] = ran_on == os.getpid()

@@ -192,7 +192,7 @@ def stop_while_publishing_error_file(fifo: str) -> None:
     ``os.rename`` or ``os.link``): at that moment the whole file is written, and a
     worker killed there is one killed at the worst moment for leftovers.
     """
-    from aioelastic._core._errors import write_error_file
+    from aioelastic._core._error_file import write_error_file
 
     publishing = {os.replace, os.rename, os.link}
 
@@ -264,17 +264,16 @@ def main() -> None:
 
 def _leftovers(helpers: set[int], fds_before: set[int]) -> dict[str, Any]:
     """What this supervisor still holds after its context closed."""
+    from aioelastic._core._platform import proc_stat
+
     me = os.getpid()
     zombies, live = [], []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+        fields = proc_stat(entry, 2)
+        if fields is None:
             continue
-        fields = stat[stat.rindex(b")") + 2 :].split()
         if int(fields[1]) != me or int(entry) in helpers:
             continue
         (zombies if fields[0] == b"Z" else live).append(int(entry))

@@ -139,15 +139,6 @@ def torch_launch_all_reduce(args: None) -> float:
 # --- programs -----------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rindex(b")") + 2 :].split()[0] not in (b"Z", b"X")
-
-
 def _custom_sigterm(signum: int, frame: FrameType | None) -> None:
     print("custom SIGTERM handler", flush=True)
 
@@ -167,7 +158,9 @@ async def _launch_until_signal(directory: str, stubborn: bool, grace: float) -> 
     print(f"SIGINT restored in loop: {signal.getsignal(signal.SIGINT) is sigint_in_loop}")
     print(f"SIGTERM restored: {signal.getsignal(signal.SIGTERM) is _custom_sigterm}")
     pids = [int(p) for f in Path(directory).glob("*.pid") for p in f.read_text().split()]
-    print(f"checked {len(pids)} pids, alive: {[p for p in pids if _alive(p)]}", flush=True)
+    from tests.waits import is_running
+
+    print(f"checked {len(pids)} pids, alive: {[p for p in pids if is_running(p)]}", flush=True)
     return status
 
 

@@ -21,6 +21,8 @@ import signal
 import sys
 from typing import Any
 
+from tests.waits import process_state
+
 #: The daemon's command line when ``HOW`` is ``exec`` (a test looks for it in the warning).
 DAEMON_ARGV = ["sleep", "1003"]
 #: The host's running child (in a session of its own, as an escaped process would be).
@@ -66,14 +68,6 @@ def escape(path: str, how: str) -> None:
         os.close(r)
     with open(path, "w") as f:
         f.write(str(daemon))
-
-
-def _state(pid: int) -> str | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
 
 
 def _children() -> list[int]:
@@ -127,16 +121,18 @@ def host(method: str, how: str, directory: str) -> dict[str, Any]:
         report["ok"] = anyio.run(run)
         with open(path) as f:
             report["daemon"] = daemon = int(f.read())
-        report["daemon_state"] = _state(daemon)
-        report["running_state"] = _state(running)
-        report["zombies"] = [pid for pid in _children() if pid != exited and _state(pid) == "Z"]
+        report["daemon_state"] = process_state(daemon)
+        report["running_state"] = process_state(running)
+        report["zombies"] = [
+            pid for pid in _children() if pid != exited and process_state(pid) == "Z"
+        ]
         if report["daemon_state"] is not None:
             # Left running (not recognised): ours to end now.
             os.kill(daemon, signal.SIGKILL)
             _reap(daemon)
     finally:
         # The host's own children are still the host's to end and reap.
-        if _state(running) not in (None, "Z"):
+        if process_state(running) not in (None, "Z"):
             os.kill(running, signal.SIGKILL)
         report["running_status"] = _reap(running)
         report["exited_status"] = _reap(exited)
