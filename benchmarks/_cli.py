@@ -341,7 +341,7 @@ def _write_docs(
 def _failed_claims(rows: list[dict[str, Any]]) -> bool:
     failures = check_claims(rows)
     if failures:
-        print("Behind the claimed ratio:\n" + "\n".join(f"- {f}" for f in failures))
+        print("Behind the claim:\n" + "\n".join(f"- {f}" for f in failures))
     return bool(failures)
 
 

@@ -112,8 +112,11 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                             if row.theirs
                             else None
                         )
-                        if ours.status == "skipped" and (
-                            theirs is None or theirs.status == "skipped"
+                        claimed = lead and row.quick_max is not None
+                        if (
+                            ours.status == "skipped"
+                            and (theirs is None or theirs.status == "skipped")
+                            and not claimed  # a claim without a number must show, and fail
                         ):
                             continue
                         value, bound = ratio(ours, theirs, metric) if theirs else (None, False)
@@ -136,19 +139,30 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                                 "ratio_is_lower_bound": bound if metric.ratio else False,
                                 "headline": row.headline_n == n and lead,
                                 "quick_min_ratio": row.quick_min_ratio if lead else None,
+                                "quick_max": row.quick_max if lead else None,
                             }
                         )
     return rows
 
 
 def check_claims(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per checked row whose ratio fell below its ``quick_min_ratio`` (or is missing).
+    """One line per checked row behind its claim, or whose number is missing.
 
-    A row whose either side did not produce a number fails too: a claim that cannot be
-    checked must not pass silently.
+    The claim is a ratio (``quick_min_ratio``) or, for a row without a torch side, a bound
+    on ours (``quick_max``). A row whose side did not produce a number fails too: a claim
+    that cannot be checked must not pass silently.
     """
     failures = []
     for r in rows:
+        most = r.get("quick_max")
+        if most is not None:
+            median = r["ours"]["median"]
+            where = f"{r['measure']}: {r['case']} N={r['n']} ({r['ours_system']})"
+            shown = f"{most * r['scale']:g} {r['unit']}"
+            if median is None:
+                failures.append(f"{where}: no number, needs <= {shown}")
+            elif median > most:
+                failures.append(f"{where}: {median * r['scale']:.1f} > {shown}")
         floor = r.get("quick_min_ratio")
         if floor is None:
             continue

@@ -285,6 +285,29 @@ def test_check_claims_fails_a_row_behind_its_minimum_ratio_and_one_that_did_not_
     ]
 
 
+def test_check_claims_fails_a_row_over_its_bound_and_one_without_a_number() -> None:
+    measure = Measure(
+        name="m",
+        letter="x",
+        title="t",
+        metrics=(SECONDS,),
+        groups=(
+            Group(
+                name="g",
+                systems=(System("ours", "aioelastic", "x:y"),),
+                rows=(Row("case", "ours", quick_max=0.020),),
+                ns=(4,),
+            ),
+        ),
+    )
+    within = build_rows([measure], [_series("ours", [0.010, 0.015, 0.030])])
+    assert check_claims(within) == []  # the median, 15 ms, is within 20 ms
+    over = build_rows([measure], [_series("ours", [0.010, 0.025, 0.030])])
+    assert check_claims(over) == ["m: case N=4 (ours): 25.0 > 20 ms"]
+    missing = build_rows([measure], [_series("ours", [])])
+    assert check_claims(missing) == ["m: case N=4 (ours): no number, needs <= 20 ms"]
+
+
 @pytest.mark.timeout(150)
 def test_check_exits_non_zero_from_json_when_a_claim_fails(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
@@ -304,7 +327,7 @@ def test_check_exits_non_zero_from_json_when_a_claim_fails(tmp_path: Path) -> No
     broken.write_text(json.dumps(document))
     again = _run("--from-json", str(broken), "--check", timeout=30)
     assert again.returncode == 3, again.stdout + again.stderr
-    assert "Behind the claimed ratio:" in again.stdout
+    assert "Behind the claim:" in again.stdout
 
 
 @pytest.mark.timeout(150)

@@ -469,8 +469,10 @@ async def test_a_running_binary_worker_holds_three_fds_of_the_supervisor(
             await ctx.close()
     finally:
         fifo.close()
-    # The batches' sockets (the first start goes alone, the rest together) on top.
-    assert during - before <= 3 * n + 2, during - before
+    # The batches' sockets on top: one per batch, and how many batches the watchdog got
+    # depends on how the starts fell into the event loop's turns (a few). A fourth fd per
+    # worker would be 4 * n.
+    assert during - before < 3 * n + n // 2, during - before
 
 
 @pytest.mark.timeout(90)

@@ -47,7 +47,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _platform, _preparing
+from aioelastic._core import _pace, _platform
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.groups import envs, ranks
@@ -320,15 +320,15 @@ async def test_cancel_anywhere_in_start_wait_close(
 
 
 @pytest.mark.timeout(300)
-async def test_cancel_anywhere_between_the_slices_of_a_binary_start(
+async def test_cancel_anywhere_between_the_turns_of_a_binary_start(
     tmp_path: Path,
     private_tmp: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Binaries are handed to the watchdog in slices of the event loop; a cancellation
+    """Binaries are handed to the watchdog within the loop's budget per turn; a cancellation
     between two records and stops the ones handed over, and starts no other."""
-    monkeypatch.setattr(_preparing, "SLICE", 0.0)  # every worker a slice of its own
+    monkeypatch.setattr(_pace, "TURN", 0.0)  # every worker a turn of its own
     fifo = _Fifo(tmp_path)
 
     async def scenario(run: Run) -> None:

@@ -130,6 +130,7 @@ CORE_ROOMS: list[tuple[str, set[str]]] = [
             "_exit_status",
             "_lazy_event",
             "_log_root",
+            "_pace",
             "_platform",
             "_runtime",
             "_signals",

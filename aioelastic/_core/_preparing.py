@@ -14,14 +14,10 @@ import logging
 import os
 import resource
 import sys
-import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Protocol, TypeVar
-
-import anyio
-import anyio.lowlevel
 
 from . import _log_root as log_root
 from ._bootstrap import FunctionCall
@@ -29,6 +25,7 @@ from ._error_file import ERROR_FILE_ENV
 from ._hangs import HangGuard
 from ._launchers import on_launcher_thread
 from ._logs import create_log
+from ._pace import pace
 from ._std import Std
 from ._validate import GroupSpec
 
@@ -38,11 +35,6 @@ T = TypeVar("T")
 
 #: Groups up to this size make their FIFOs (and remove their files) on the event loop.
 FILES_ON_LOOP = 8
-#: How long one stretch of a group's set-up (its files, its binaries' starts) may hold
-#: the event loop before other tasks run. A task woken by a timer waits up to two of
-#: them (the stretch running when its time comes, then the one queued before its
-#: wake-up): 1 ms keeps that well under the 10 ms a loop may be late.
-SLICE = 0.001
 #: Whether group files are made on the event loop (see prepare_group).
 PREPARE_ON_LOOP = sys.version_info >= (3, 11)
 
@@ -76,6 +68,7 @@ async def blocking(nprocs: int, fn: Callable[[], T]) -> T:
     :func:`prepare_group`).
     """
     if nprocs <= FILES_ON_LOOP and PREPARE_ON_LOOP:
+        await pace()
         return fn()
     return await on_launcher_thread(fn)
 
@@ -162,7 +155,7 @@ async def prepare_group(
 ) -> tuple[GroupFiles, dict[int, Prepared]]:
     """Log files, environments and calls: all that can fail, before a start.
 
-    Made on the event loop a slice at a time, with other tasks running in between:
+    Made on the event loop a rank at a time, within the loop's budget (:func:`pace`):
     hundreds of ranks' directories and files (a millisecond each on a slow or busy
     filesystem) would otherwise hold the loop for a second. Not on a thread: while
     the loop has other work, each hand-off between the two waits for the GIL, up to
@@ -175,19 +168,16 @@ async def prepare_group(
     steps = _prepare_steps(spec, method, hangs)
     if not PREPARE_ON_LOOP:
         return await on_launcher_thread(_run_to_end, steps)
-    slice_end = time.monotonic() + SLICE
     try:
         while True:
+            await pace()
             try:
                 next(steps)
             except StopIteration as done:
                 prepared: tuple[GroupFiles, dict[int, Prepared]] = done.value
                 return prepared
-            if time.monotonic() >= slice_end:
-                await anyio.lowlevel.checkpoint()
-                slice_end = time.monotonic() + SLICE
     except BaseException:
-        steps.close()  # a cancellation at the checkpoint: the steps clean up
+        steps.close()  # a cancellation while it waited for its turn: the steps clean up
         raise
 
 

@@ -23,17 +23,17 @@ import functools
 import itertools
 import os
 import pickle
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio
 import anyio.lowlevel
 
-from . import _launchers, _preparing, _stack_hook as stack_hook
+from . import _launchers, _stack_hook as stack_hook
 from ._binary_start import BinaryLauncher, BinaryStart
 from ._bootstrap import FunctionCall
 from ._forkserver import fork_server
+from ._pace import pace
 from ._preparing import Prepared, RankPreparer
 from ._starting import GroupStarter, Opening
 from ._subreaper import lineage_env
@@ -106,10 +106,10 @@ class BinaryMethod:
         """Start every binary worker from this one task, in batches of the watchdog.
 
         No task per worker: a worker's set-up is a few syscalls, and a task with its
-        cancel scopes cost as much again. The loop runs other tasks every
-        :data:`~._preparing.SLICE` seconds of set-up. The first failure to set up stops
-        the rest from starting; the ones handed over are recorded (or killed) before the
-        error counts.
+        cancel scopes cost as much again. Each worker's set-up and record waits for the
+        loop's budget (:func:`~._pace.pace`), shared with every other group. The first
+        failure to set up stops the rest from starting; the ones handed over are recorded
+        (or killed) before the error counts.
         """
         spec = self._spec
         launcher = BinaryLauncher(os.environ)
@@ -131,9 +131,9 @@ class BinaryMethod:
                 starter.errors.append((rank, exc))
 
         interrupted: BaseException | None = None
-        slice_end = time.monotonic() + _preparing.SLICE
         try:
             for rank in range(spec.nprocs):
+                await pace()
                 try:
                     opening = starter.open(rank)
                 except Exception as exc:
@@ -148,9 +148,7 @@ class BinaryMethod:
                 # (their pipes read, their exits watched) while it spawns on.
                 while handed and handed[0][2].done():
                     await record(*handed.popleft())
-                if time.monotonic() >= slice_end:
-                    await anyio.lowlevel.checkpoint()
-                    slice_end = time.monotonic() + _preparing.SLICE
+                    await pace()
             launcher.send_pending()
         except BaseException as exc:
             # Cancelled between slices: what was handed over may exist, so it is
@@ -159,9 +157,7 @@ class BinaryMethod:
         with anyio.CancelScope(shield=True):
             while handed:
                 await record(*handed.popleft())
-                if time.monotonic() >= slice_end:
-                    await anyio.lowlevel.checkpoint()
-                    slice_end = time.monotonic() + _preparing.SLICE
+                await pace()
         if interrupted is not None:
             raise interrupted
 
@@ -204,11 +200,9 @@ class _FunctionMethod:
     async def start(self, starter: GroupStarter) -> None:
         async with anyio.create_task_group() as tg:
             for rank in range(self._spec.nprocs):
+                # Each task waits for the loop's budget before its set-up (pipes, pumps,
+                # the hand-off to a launcher thread) and its record (see start_one).
                 tg.start_soon(starter.start_one, rank, functools.partial(self.launch, starter))
-                # One worker's set-up (pipes, pumps, the hand-off to a launcher thread)
-                # per turn of the event loop, not all of them in one: other tasks keep
-                # running while hundreds of workers start.
-                await anyio.lowlevel.checkpoint()
 
     async def launch(
         self, starter: GroupStarter, prepared: Prepared, opening: Opening

@@ -30,6 +30,7 @@ from ._hangs import HangGuard
 from ._launchers import Launched, kill_and_reap, on_launcher_thread
 from ._logs import StreamPump
 from ._output import OutputHub, StreamOutput
+from ._pace import pace
 from ._preparing import GroupFiles, Prepared
 from ._result_pipe import ResultReceiver
 from ._runtime import runtime
@@ -147,6 +148,7 @@ class GroupStarter:
     async def start_one(self, rank: int, launch: Launch) -> None:
         """Open, launch and record the worker of ``rank``; a failure goes to :attr:`errors`."""
         try:
+            await pace()
             opening = self.open(rank)
             try:
                 with opening.child_ends:
@@ -154,6 +156,9 @@ class GroupStarter:
             except BaseException:
                 opening.abort()
                 raise
+            # The process exists: only its record may follow, whatever is cancelled.
+            with anyio.CancelScope(shield=True):
+                await pace()
             await self.record(rank, opening, launched)
         except Exception as exc:
             self.errors.append((rank, exc))

@@ -1,10 +1,11 @@
-"""The measures of the suite, in the order they run and print (issue #7's a..h, then i..k)."""
+"""The measures of the suite, in the order they run and print (issue #7's a..h, then i..l)."""
 
 from __future__ import annotations
 
 from benchmarks._spec import Measure
 from benchmarks.measures import (
     binary,
+    burst,
     completion,
     failure,
     floor,
@@ -34,4 +35,5 @@ def all_measures() -> list[Measure]:
         launcher.MEASURE,
         scale.MEASURE,
         multinode.MEASURE,
+        burst.MEASURE,
     ]

@@ -1,0 +1,259 @@
+"""l. A burst of jobs in one event loop: how late the loop runs its timers while K start at once.
+
+What a service sees when a queue drains: K ``start_processes`` groups entered at the same
+instant in one anyio task group, each awaited to its end, while a task sleeping 5 ms at a
+time measures how late it wakes (the worst case of the whole burst, from the first start
+to the last group's end). Target: under 20 ms after the first start in the process.
+
+- *binaries*: K groups of 2 ``/bin/sh`` workers (each prints a line and exits).
+- *streamed*: the same, each worker printing 200 lines, every group read by its own
+  ``ctx.output()`` subscriber (what a service streaming logs to its clients does).
+- *functions*: K groups of 8 function workers from the warm fork server.
+- *first start*: one group of 2 ``/bin/sh`` in a fresh process that imported
+  ``aioelastic`` and nothing else of it: the lazy imports, the watchdog's start and the
+  sweep of stale log roots fall in it (target: under 60 ms).
+
+torch has no equivalent: its ``start_processes`` and ``wait`` block the caller.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
+from benchmarks._util import seconds
+
+LATENESS = Metric("lateness", "ms worst loop lateness", scale=1000.0)
+#: The ticker's period: a service's own timers (keep-alives, request deadlines).
+TICK = 0.005
+_LINES = 200
+
+
+def _script(lines: int) -> str:
+    if lines <= 1:
+        return "echo one line"
+    return f'i=0; while [ $i -lt {lines} ]; do echo "line $i"; i=$((i+1)); done'
+
+
+def _function_worker() -> None:
+    print("one line")
+
+
+async def _measured(jobs: list[Callable[[], Awaitable[None]]]) -> dict[str, float]:
+    """Run ``jobs`` at once beside a ticker; the ticker's worst lateness and the wall time."""
+    import anyio
+
+    worst = 0.0
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        nonlocal worst
+        while not done.is_set():
+            before = time.monotonic()
+            await anyio.sleep(TICK)
+            worst = max(worst, time.monotonic() - before - TICK)
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(ticker)
+        await anyio.sleep(0)  # the ticker's first sleep is under way
+        start = time.monotonic_ns()
+        try:
+            async with anyio.create_task_group() as tg:
+                for job in jobs:
+                    tg.start_soon(job)
+        finally:
+            done.set()
+        elapsed = time.monotonic_ns() - start
+    return {"lateness": worst, "seconds": seconds(elapsed)}
+
+
+def _group_jobs(ctx: RepContext, kind: str, lines: int, stream: bool) -> list[Any]:
+    import aioelastic
+
+    size = ctx.int_param("group_size")
+
+    async def one(k: int) -> None:
+        if kind == "binary":
+            what: dict[str, Any] = {
+                "entrypoint": "/bin/sh",
+                "args": {r: ("-c", _script(lines)) for r in range(size)},
+            }
+        else:
+            what = {
+                "entrypoint": _function_worker,
+                "args": {r: () for r in range(size)},
+                "start_method": "forkserver",
+            }
+        async with aioelastic.start_processes(
+            name=f"burst{k}",
+            envs={r: {} for r in range(size)},
+            log_dir=str(ctx.workdir / f"g{k}"),
+            redirects=aioelastic.Std.ALL,
+            **what,
+        ) as pc:
+            if stream:
+                seen = 0
+                async with pc.output() as items:
+                    async for item in items:
+                        seen += 1 + item.missed
+                if seen != size * lines:
+                    raise RuntimeError(f"group {k}: {seen} lines seen, {size * lines} written")
+            result = await pc.wait()
+        if result is None or result.is_failed():
+            raise RuntimeError(f"group {k} failed: {result}")
+
+    return [lambda k=k: one(k) for k in range(ctx.n)]
+
+
+async def aio_binaries(ctx: RepContext) -> dict[str, float]:
+    """K groups of /bin/sh workers at once (warm process)."""
+    return await _measured(_group_jobs(ctx, "binary", 1, stream=False))
+
+
+async def aio_streamed(ctx: RepContext) -> dict[str, float]:
+    """K groups of /bin/sh workers printing 200 lines each, every group subscribed."""
+    return await _measured(_group_jobs(ctx, "binary", _LINES, stream=True))
+
+
+async def aio_functions(ctx: RepContext) -> dict[str, float]:
+    """K groups of function workers from the warm fork server."""
+    return await _measured(_group_jobs(ctx, "function", 1, stream=False))
+
+
+def aio_first_start(ctx: RepContext) -> dict[str, float]:
+    """K groups at once in a fresh process that imported only ``aioelastic``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.measures.burst", str(ctx.n), str(ctx.workdir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"first-start run failed ({out.returncode}): {out.stderr[-2000:]}")
+    sample: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return sample
+
+
+def _first_start_main(k: int, workdir: str) -> None:
+    import asyncio
+    from pathlib import Path
+
+    import anyio
+
+    import aioelastic  # noqa: F401  (what a service has imported: the package, not its parts)
+
+    async def main() -> dict[str, float]:
+        # The service's own loop and task groups exist already (anyio's backend loaded).
+        async with anyio.create_task_group():
+            pass
+        ctx = RepContext(n=k, params={"group_size": 2}, workdir=Path(workdir), quick=False)
+        return await _measured(_group_jobs(ctx, "binary", 1, stream=False))
+
+    print(json.dumps(asyncio.run(main())))
+
+
+#: ``--quick``'s bound on a warm burst: the 20 ms target with a 2x margin for a shared
+#: 2-core CI machine (the recorded run shows the target itself).
+_QUICK_MAX = 2 * 0.020
+
+_OURS_BIN = "aioelastic/binary, K groups of 2 /bin/sh at once (no torch equivalent)"
+_OURS_STREAM = "aioelastic/binary, K groups of 2 /bin/sh x 200 lines, each subscribed"
+_OURS_FN = "aioelastic/forkserver, K groups of 8 functions at once (warm server)"
+_OURS_FIRST = "aioelastic/binary, first start in a fresh process (imports, watchdog)"
+
+MEASURE = Measure(
+    name="burst",
+    letter="l",
+    title="a burst of K jobs started at once in one event loop: the loop's worst lateness",
+    metrics=(LATENESS, SECONDS),
+    notes=(
+        "N = K, the number of groups entered at the same instant in one anyio task group, "
+        "each awaited to its end; lateness: worst wake-up delay of a task sleeping 5 ms at "
+        "a time, from the first start to the last end (target: < 20 ms in a warm process, "
+        "< 60 ms for the first start in a fresh one). seconds: the whole burst. torch has "
+        "no equivalent: its API blocks the caller."
+    ),
+    groups=(
+        Group(
+            name="binaries",
+            systems=(System(_OURS_BIN, "aioelastic", "benchmarks.measures.burst:aio_binaries"),),
+            rows=(
+                Row(
+                    "K groups of 2 /bin/sh at once (target < 20 ms)",
+                    _OURS_BIN,
+                    headline_n=64,
+                    quick_max=_QUICK_MAX,
+                ),
+            ),
+            ns=(1, 8, 16, 64),
+            quick_ns=(64,),
+            default_reps=5,
+            params={"group_size": 2},
+            quick_warmup=True,
+            rep_timeout=120.0,
+        ),
+        Group(
+            name="streamed",
+            systems=(System(_OURS_STREAM, "aioelastic", "benchmarks.measures.burst:aio_streamed"),),
+            rows=(
+                Row(
+                    "K groups streaming output() at once (target < 20 ms)",
+                    _OURS_STREAM,
+                    quick_max=_QUICK_MAX,
+                ),
+            ),
+            ns=(64,),
+            quick_ns=(16,),
+            default_reps=5,
+            params={"group_size": 2},
+            quick_warmup=True,
+            rep_timeout=120.0,
+        ),
+        Group(
+            name="functions",
+            systems=(System(_OURS_FN, "aioelastic", "benchmarks.measures.burst:aio_functions"),),
+            rows=(
+                Row(
+                    "K groups of 8 fork-server functions (target < 20 ms)",
+                    _OURS_FN,
+                    quick_max=_QUICK_MAX,
+                ),
+            ),
+            ns=(16,),
+            quick_ns=(4,),
+            default_reps=5,
+            params={"group_size": 8},
+            quick_warmup=True,
+            rep_timeout=120.0,
+        ),
+        Group(
+            name="first",
+            systems=(
+                System(_OURS_FIRST, "aioelastic", "benchmarks.measures.burst:aio_first_start"),
+            ),
+            rows=(
+                Row(
+                    "first start in a fresh process (target < 60 ms)",
+                    _OURS_FIRST,
+                    headline_n=1,
+                    quick_max=2 * 0.060,
+                ),
+            ),
+            ns=(1,),
+            quick_ns=(1,),
+            default_reps=5,
+            warmup=False,
+            rep_timeout=150.0,
+        ),
+    ),
+)
+
+
+if __name__ == "__main__":
+    _first_start_main(int(sys.argv[1]), sys.argv[2])
