@@ -104,6 +104,8 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
             )
             for metric in measure.metrics:
                 for row in group.rows:
+                    if row.metrics is not None and metric.name not in row.metrics:
+                        continue
                     lead = metric.name == (row.metric or measure.metrics[0].name)
                     for n in ns:
                         ours = summarise(index.get((measure.name, group.name, row.ours, n)), metric)

@@ -95,6 +95,7 @@ class Row:
         metric: name of the metric that ``headline_n`` and ``quick_min_ratio`` refer to
             (``None``: the measure's first); for a group whose workload yields only a
             later metric of its measure.
+        metrics: the names of the metrics this row shows (``None``: all of its measure's).
         quick_max: the headline check of a row without a torch side: the run fails when
             ours' median of the headline metric (in its base unit, e.g. seconds) exceeds
             this at any N: the row's target with a noise margin; ``None``: not checked.
@@ -106,6 +107,7 @@ class Row:
     quick_min_ratio: float | None = None
     headline_n: int | None = None
     metric: str | None = None
+    metrics: tuple[str, ...] | None = None
     quick_max: float | None = None
 
 

@@ -410,6 +410,10 @@ def test_every_row_names_systems_of_its_group_and_a_metric_of_its_measure() -> N
                 assert row.ours in labels, where
                 assert row.theirs is None or row.theirs in labels, where
                 assert row.metric is None or row.metric in names, where
+                assert row.metrics is None or set(row.metrics) <= names, where
+                assert row.metrics is None or (row.metric or measure.metrics[0].name) in (
+                    row.metrics
+                ), where  # a row shows its own headline metric
 
 
 def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
