@@ -19,6 +19,10 @@ workers by pid: torchrun starts each in a session of its own), then:
 Once set up, each worker writes one byte to the FIFO ``DIR/ready``. The last local rank of
 node ``FAIL_NODE`` (``-1``: none) then reads one byte from the FIFO ``DIR/go``, writes the
 clock (``CLOCK_MONOTONIC``, the benchmark's) to ``DIR/fail`` and exits 7 at once.
+
+A worker that finds its pid file already written is a rank of the next attempt, after a
+node was lost (the ``recover`` cases): it writes the clock to ``DIR/back{NODE}.{LOCAL_RANK}``,
+one byte to the FIFO ``DIR/back`` and returns: the job completes.
 """
 
 import os
@@ -53,7 +57,14 @@ def main() -> int:
     directory, wait, fail_node = sys.argv[1], sys.argv[2], int(sys.argv[3])
     node, local_rank = int(os.environ["BENCH_NODE"]), int(os.environ["LOCAL_RANK"])
     failing = node == fail_node and local_rank == int(os.environ["LOCAL_WORLD_SIZE"]) - 1
-    with open(os.path.join(directory, f"pid{node}.{local_rank}"), "w") as f:
+    pid_file = os.path.join(directory, f"pid{node}.{local_rank}")
+    if os.path.exists(pid_file):
+        _stamp(os.path.join(directory, f"back{node}.{local_rank}"))
+        back = os.open(os.path.join(directory, "back"), os.O_WRONLY)
+        os.write(back, b"b")
+        os.close(back)
+        return 0
+    with open(pid_file, "w") as f:
         f.write(str(os.getpid()))
     block = _join_gloo() if wait == "gloo" else lambda: threading.Event().wait(_TTL_S)
     # A read-write open of a FIFO never blocks (Linux); the byte waits in it for the read.

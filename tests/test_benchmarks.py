@@ -494,10 +494,17 @@ def test_multinode_is_measure_k_and_quick_runs_only_its_exit_and_sigterm_cases()
     quick = {g.name: [s.label for s in plan.systems_for(g, 2)] for g in multinode.MEASURE.groups}
     both = ["aioelastic-run", "torchrun --monitor-interval 0.01"]
     # gloo imports torch in 6 ranks per side and a vanished node takes ours ~8 s: full runs only.
-    assert quick == {"exit": both, "gloo": [], "kill": [], "term": both}
+    assert quick == {
+        "exit": both,
+        "gloo": [],
+        "kill": [],
+        "term": both,
+        "recover": [],
+        "recover-silent": [],
+    }
     for group in multinode.MEASURE.groups:
         assert group.params["cap"] == 60.0
-        assert group.quick_params["cap"] == 10.0
+        assert group.name.startswith("recover") or group.quick_params["cap"] == 10.0
 
 
 def test_multinode_finds_every_process_of_a_launchers_session() -> None:

@@ -15,6 +15,14 @@ running :mod:`benchmarks._multinode_job`. Once every rank said ready (a FIFO), o
   blocks silently. Time: the first kill to the last exit of nodes 0 and 1.
 - ``term``: node 1's launcher gets SIGTERM while every rank blocks silently. Time: the
   signal to the last exit of nodes 0 and 2.
+- ``recover`` and ``recover-silent``: an elastic job (``--nnodes 2:3 --max-restarts 3``)
+  loses node 2 (SIGKILLed, as in ``kill``) while the other ranks wait in a gloo
+  ``all_reduce`` (``recover``) or block silently (``recover-silent``). Time (*recovered*):
+  the kill to the last rank of nodes 0 and 1 back in user code in the next attempt.
+  Each side runs at its defaults and, in a row of its own, both tuned alike as a
+  knowledgeable user would (``keep_alive_interval=1,keep_alive_max_attempt=2,
+  last_call_timeout=1``: a lost node forgotten after 2 s, the round closed 1 s after the
+  survivors are in).
 
 *seconds*: to the last watched launcher's exit; *stopped*: to the last of their ranks'
 exits (when their devices would be free again). Exits are seen through pidfds, readiness
@@ -68,6 +76,10 @@ TERMINATED_NODE = 1
 ENDED = Metric("seconds", "ms to every launcher's exit", scale=1000.0)
 #: The event to the last watched worker's exit: when their devices would be free again.
 STOPPED = Metric("stopped", "ms to every rank stopped", scale=1000.0)
+#: A lost node to every surviving rank back in user code (the ``recover`` cases).
+RECOVERED = Metric("recovered", "ms to every survivor back in user code", scale=1000.0)
+#: The elastic cases: the cases where the job goes on without the lost node.
+RECOVER_CASES = ("recover", "recover-silent")
 #: How long three launchers may take to have every rank ready (torch imports in ``gloo``).
 START_LIMIT_S = 120.0
 
@@ -99,22 +111,24 @@ class _Node:
 
 def _command(ctx: RepContext, module: str, node: int, endpoint: str, run_id: str) -> list[str]:
     case = ctx.str_param("case")
+    elastic = case in RECOVER_CASES
+    conf = ",".join([f"is_host={int(node == 0)}", *filter(None, [str(ctx.params.get("conf", ""))])])
     return [
         sys.executable,
         "-m",
         module,
-        f"--nnodes={NODES}",
+        f"--nnodes={NODES - 1}:{NODES}" if elastic else f"--nnodes={NODES}",
         f"--nproc-per-node={ctx.n}",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        f"--rdzv-conf=is_host={int(node == 0)}",
+        f"--rdzv-conf={conf}",
         f"--local-addr=127.0.0.{node + 1}",
-        "--max-restarts=0",
+        f"--max-restarts={3 if elastic else 0}",
         *str(ctx.params.get("flags", "")).split(),
         str(JOB),
         str(ctx.workdir),
-        "gloo" if case == "gloo" else "silent",
+        "gloo" if case in ("gloo", "recover") else "silent",
         str(FAILING_NODE if case in ("exit", "gloo") else -1),
     ]
 
@@ -229,6 +243,7 @@ def _job(ctx: RepContext, module: str) -> Iterator[list[_Node]]:
     try:
         try:
             make_fifo(ctx.workdir / "go")
+            make_fifo(ctx.workdir / "back")
             _start(ctx, module, nodes)
             _wait_ready(ready_fd, NODES * ctx.n, nodes)
         finally:
@@ -260,13 +275,17 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
             started = now_ns()
             _kill_node(victim)
             watched = [n for n in nodes if n is not victim]
+        elif case in RECOVER_CASES:
+            return _recover(ctx, nodes, cap)
         elif case == "term":
             victim = nodes[TERMINATED_NODE]
             started = now_ns()
             victim.proc.send_signal(signal.SIGTERM)
             watched = [n for n in nodes if n is not victim]
         else:
-            raise ValueError(f"unknown case {case!r}; expected exit, gloo, kill or term")
+            raise ValueError(
+                f"unknown case {case!r}; expected exit, gloo, kill, term, recover or recover-silent"
+            )
         launchers = [n.pidfd for n in watched]
         workers = [fd for n in watched for fd in n.workers]
         ended = _wait_exits(launchers + workers, started + int(cap * 1e9))
@@ -283,6 +302,34 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
         "seconds": seconds(max(ended[fd] for fd in launchers) - started),
         "stopped": seconds(max(ended[fd] for fd in workers) - started),
     }
+
+
+def _recover(ctx: RepContext, nodes: list[_Node], cap: float) -> dict[str, float]:
+    """Lose node 2; the kill to the last rank of nodes 0 and 1 back in user code."""
+    back_fd = os.open(ctx.workdir / "back", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        victim = nodes[FAILING_NODE]
+        survivors = [n for n in nodes if n is not victim]
+        started = now_ns()
+        _kill_node(victim)
+        poller = select.poll()
+        poller.register(back_fd, select.POLLIN)
+        deadline = started + int(cap * 1e9)
+        got = 0
+        while got < len(survivors) * ctx.n:
+            remaining_ms = -(-(deadline - now_ns()) // 1_000_000)
+            if remaining_ms <= 0:
+                raise RepTimeout(cap)
+            if poller.poll(remaining_ms):
+                got += len(os.read(back_fd, len(survivors) * ctx.n - got))
+    finally:
+        os.close(back_fd)
+    backs = [
+        read_stamp(ctx.workdir / f"back{n.index}.{rank}")
+        for n in survivors
+        for rank in range(ctx.n)
+    ]
+    return {"recovered": seconds(max(backs) - started)}
 
 
 def aio_run(ctx: RepContext) -> dict[str, float]:
@@ -336,11 +383,67 @@ def _group(case: str, title: str, *, quick: bool) -> Group:
     )
 
 
+#: torch's dynamic rendezvous tuned for a fast recovery: a lost node forgotten after two
+#: missed 1 s keep-alives, the round closed 1 s after the minimum of nodes is in.
+TORCH_TUNED_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2,last_call_timeout=1"
+TORCHRUN_TUNED = f"torchrun --monitor-interval 0.01 --rdzv-conf {TORCH_TUNED_CONF}"
+OURS_TUNED = f"aioelastic-run --rdzv-conf {TORCH_TUNED_CONF}"
+
+
+def _recover_group(case: str, title: str) -> Group:
+    """A node lost from an elastic job: ours at its defaults, torchrun at its and tuned."""
+    return Group(
+        name=case,
+        systems=(
+            System("aioelastic-run", "aioelastic", f"{_M}:aio_run", quick=False),
+            System(
+                OURS_TUNED, "aioelastic", f"{_M}:aio_run", {"conf": TORCH_TUNED_CONF}, quick=False
+            ),
+            System(
+                TORCHRUN,
+                "torch",
+                f"{_M}:torchrun",
+                {"flags": "--monitor-interval 0.01"},
+                quick=False,
+            ),
+            System(
+                TORCHRUN_TUNED,
+                "torch",
+                f"{_M}:torchrun",
+                {"flags": "--monitor-interval 0.01", "conf": TORCH_TUNED_CONF},
+                quick=False,
+            ),
+        ),
+        rows=(
+            Row(
+                f"{title}, torchrun at its defaults",
+                "aioelastic-run",
+                TORCHRUN,
+                metric="recovered",
+                metrics=("recovered",),
+            ),
+            Row(
+                f"{title}, both tuned alike",
+                OURS_TUNED,
+                TORCHRUN_TUNED,
+                metric="recovered",
+                metrics=("recovered",),
+            ),
+        ),
+        ns=(2,),
+        quick_ns=(2,),
+        default_reps=3,
+        params={"case": case, "cap": CAP_S},
+        warmup=False,
+        rep_timeout=CAP_S + START_LIMIT_S + 60.0,
+    )
+
+
 MEASURE = Measure(
     name="multinode",
     letter="k",
     title="three nodes: a failure on one to every other launcher's exit",
-    metrics=(ENDED, STOPPED),
+    metrics=(ENDED, STOPPED, RECOVERED),
     notes=(
         "Three launchers of one job on 127.0.0.1-3 (c10d, `--rdzv-endpoint 127.0.0.1:PORT`, "
         "`--rdzv-conf is_host=1` on node 0 and `is_host=0` on the others, `--local-addr`, "
@@ -359,5 +462,7 @@ MEASURE = Measure(
         _group("gloo", "exit, the others in a gloo all_reduce", quick=False),
         _group("kill", "SIGKILLed node, the others wait silently", quick=False),
         _group("term", "SIGTERM'd launcher, the others wait silently", quick=True),
+        _recover_group("recover", "node lost, the others in a gloo all_reduce"),
+        _recover_group("recover-silent", "node lost, the others wait silently"),
     ),
 )
