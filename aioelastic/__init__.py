@@ -26,38 +26,38 @@ if TYPE_CHECKING:
         ProcessRaisedException as ProcessRaisedException,
         spawn as spawn,
     )
-    from ._core._failures import (
-        ChildFailedError as ChildFailedError,
-        ProcessFailure as ProcessFailure,
-    )
-    from ._core._forkserver import (
-        ForkServerError as ForkServerError,
-    )
-    from ._core._output import (
-        OutputItem as OutputItem,
-        OutputStream as OutputStream,
-    )
-    from ._core._pcontext import (
+    from ._core.group._pcontext import (
         PContext as PContext,
         run_processes as run_processes,
         start_processes as start_processes,
     )
-    from ._core._record import (
-        record as record,
+    from ._core.output._stream import (
+        OutputItem as OutputItem,
+        OutputStream as OutputStream,
     )
-    from ._core._results import (
-        RunProcsResult as RunProcsResult,
-    )
-    from ._core._signals import (
+    from ._core.process._signals import (
         SignalReceived as SignalReceived,
     )
-    from ._core._std import (
+    from ._core.process._std import (
         Std as Std,
         to_map as to_map,
     )
-    from ._core._subreaper import (
+    from ._core.process._subreaper import (
         enable_subreaper as enable_subreaper,
         subreaper_enabled as subreaper_enabled,
+    )
+    from ._core.reports._failures import (
+        ChildFailedError as ChildFailedError,
+        ProcessFailure as ProcessFailure,
+    )
+    from ._core.reports._record import (
+        record as record,
+    )
+    from ._core.reports._results import (
+        RunProcsResult as RunProcsResult,
+    )
+    from ._core.start._forkserver import (
+        ForkServerError as ForkServerError,
     )
     from ._elastic._agent import (
         LocalElasticAgent as LocalElasticAgent,
@@ -94,20 +94,20 @@ if TYPE_CHECKING:
 
 # The public surface, the one list of it: public name -> the private module that defines
 # it, grouped as the docs present it. ``__all__`` is derived from it, and attributes are
-# imported on first use: a spawned worker imports aioelastic._core._bootstrap, and must
+# imported on first use: a spawned worker imports aioelastic._core.child._bootstrap, and must
 # not pay for the agent, the CLI and anyio (over 100 ms of CPU per worker) to run one
 # function.
 _EXPORTS = {
     # Running a group of workers
-    "PContext": "._core._pcontext",
-    "run_processes": "._core._pcontext",
-    "start_processes": "._core._pcontext",
+    "PContext": "._core.group._pcontext",
+    "run_processes": "._core.group._pcontext",
+    "start_processes": "._core.group._pcontext",
     # Results and errors
-    "ChildFailedError": "._core._failures",
-    "ProcessFailure": "._core._failures",
-    "RunProcsResult": "._core._results",
-    "record": "._core._record",
-    "ForkServerError": "._core._forkserver",
+    "ChildFailedError": "._core.reports._failures",
+    "ProcessFailure": "._core.reports._failures",
+    "RunProcsResult": "._core.reports._results",
+    "record": "._core.reports._record",
+    "ForkServerError": "._core.start._forkserver",
     # torch.multiprocessing.spawn and launch-helper compatibility
     "MainProcessError": "._compat._launch",
     "ProcessException": "._compat._spawn",
@@ -129,7 +129,7 @@ _EXPORTS = {
     "create_rdzv_handler": "._elastic._rdzv_handlers",
     "elastic_launch": "._elastic._elastic_launch",
     "launch_agent": "._elastic._elastic_launch",
-    "SignalReceived": "._core._signals",
+    "SignalReceived": "._core.process._signals",
     # Lifecycle events of the agent
     "AgentEvent": "._elastic._events",
     "EventStream": "._elastic._events",
@@ -143,13 +143,13 @@ _EXPORTS = {
     "WorkerFailed": "._elastic._events",
     "WorkersStarted": "._elastic._events",
     # Logs and output
-    "OutputItem": "._core._output",
-    "OutputStream": "._core._output",
-    "Std": "._core._std",
-    "to_map": "._core._std",
+    "OutputItem": "._core.output._stream",
+    "OutputStream": "._core.output._stream",
+    "Std": "._core.process._std",
+    "to_map": "._core.process._std",
     # Process ownership
-    "enable_subreaper": "._core._subreaper",
-    "subreaper_enabled": "._core._subreaper",
+    "enable_subreaper": "._core.process._subreaper",
+    "subreaper_enabled": "._core.process._subreaper",
 }
 
 __all__ = list(_EXPORTS)

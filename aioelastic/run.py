@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, NoReturn
 import anyio
 
 from ._cli._cli_parser import parse_args, usage_error
-from ._core import _log_root as log_root
-from ._core._error_file import ERROR_FILE_ENV
-from ._core._exit_status import signal_text
-from ._core._failures import ChildFailedError, ProcessFailure
-from ._core._record import record_child_failure
-from ._core._script import run_script_path
-from ._core._std import Std
-from ._core._subreaper import enable_subreaper
+from ._core.child._error_file import ERROR_FILE_ENV
+from ._core.child._script import run_script_path
+from ._core.process import _log_root as log_root
+from ._core.process._exit_status import signal_text
+from ._core.process._std import Std
+from ._core.process._subreaper import enable_subreaper
+from ._core.reports._failures import ChildFailedError, ProcessFailure
+from ._core.reports._record import record_child_failure
 from ._elastic._narrate import LauncherFormatter
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         config, command = config_from_args(args)
         if command.preload:
             # Checked now, as a usage error; the import itself runs during the rendezvous.
-            from ._core._validate import check_preload
+            from ._core.group._validate import check_preload
 
             try:
                 check_preload(command.preload)
@@ -146,7 +146,7 @@ def _configure_logging() -> None:
 
 
 async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
-    from ._core._signals import SignalReceived
+    from ._core.process._signals import SignalReceived
     from ._elastic._elastic_launch import elastic_launch
 
     job_dir, temporary = _job_log_dir(config, command)
@@ -186,7 +186,7 @@ async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
 
 
 async def _warm_up(preload: tuple[str, ...]) -> None:
-    from ._core._forkserver import ForkServerError, fork_server
+    from ._core.start._forkserver import ForkServerError, fork_server
 
     try:
         await fork_server(preload).warm_up()

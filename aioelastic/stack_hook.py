@@ -19,7 +19,7 @@ Only the stdlib is imported before the script runs.
 
 from __future__ import annotations
 
-from ._core._stack_hook import main, script_argv
+from ._core.child._stack_hook import main, script_argv
 
 __all__ = ["main", "script_argv"]
 

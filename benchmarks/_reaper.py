@@ -31,7 +31,7 @@ def become_subreaper() -> bool:
 
 
 def _children() -> list[int]:
-    from aioelastic._core._platform import proc_stat
+    from aioelastic._core.process._platform import proc_stat
 
     me = os.getpid()
     found = []

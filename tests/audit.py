@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from aioelastic._core._platform import children_of, proc_stat
+from aioelastic._core.process._platform import children_of, proc_stat
 from tests.waits import is_running, process_state
 
 
@@ -89,7 +89,7 @@ def processes_with_env(name: str, value: str) -> list[int]:
 
 def fork_server_pids() -> list[int]:
     """The warm fork servers of this process."""
-    from aioelastic._core import _forkserver
+    from aioelastic._core.start import _forkserver
 
     return list(_forkserver.running_server_pids())
 
@@ -100,7 +100,7 @@ def is_spare(pid: int) -> bool:
     Checked per process when a leak is suspected: a server forks its spares while idle,
     so a list of spares taken a moment earlier may already be short of a new one.
     """
-    from aioelastic._core._forkserver_process import SPARE_NAME
+    from aioelastic._core.child._forkserver_process import SPARE_NAME
 
     try:
         with open(f"/proc/{pid}/comm") as f:
@@ -117,7 +117,7 @@ def is_spare(pid: int) -> bool:
 
 def spare_pids(server_pid: int | None = None) -> list[int]:
     """The spare workers the warm fork servers (or one) keep forked ahead, waiting."""
-    from aioelastic._core._forkserver_process import SPARE_NAME
+    from aioelastic._core.child._forkserver_process import SPARE_NAME
 
     spares = []
     for server in fork_server_pids() if server_pid is None else [server_pid]:
@@ -133,7 +133,7 @@ def spare_pids(server_pid: int | None = None) -> list[int]:
 
 def long_lived_pids() -> set[int]:
     """Processes aioelastic keeps on purpose between runs (warm fork servers, watchdog)."""
-    from aioelastic._core._watchdog import watchdog
+    from aioelastic._core.start._watchdog import watchdog
 
     pids = set(fork_server_pids())
     pids.update(spare_pids())
@@ -144,8 +144,8 @@ def long_lived_pids() -> set[int]:
 
 def long_lived_fds() -> set[int]:
     """This process's descriptors to the processes of :func:`long_lived_pids`."""
-    from aioelastic._core import _forkserver
-    from aioelastic._core._watchdog import watchdog
+    from aioelastic._core.start import _forkserver
+    from aioelastic._core.start._watchdog import watchdog
 
     fds = set(_forkserver.open_server_fds())
     if watchdog.fileno() is not None:

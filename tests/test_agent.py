@@ -30,9 +30,9 @@ import pytest
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
-from aioelastic._core import _forkserver  # noqa: E402
-from aioelastic._core._failures import ChildFailedError  # noqa: E402
-from aioelastic._core._signals import SignalReceived  # noqa: E402
+from aioelastic._core.process._signals import SignalReceived  # noqa: E402
+from aioelastic._core.reports._failures import ChildFailedError  # noqa: E402
+from aioelastic._core.start import _forkserver  # noqa: E402
 from aioelastic._elastic._agent import LocalElasticAgent  # noqa: E402
 from aioelastic._elastic._agent_types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402
 from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402

@@ -25,9 +25,10 @@ import anyio.to_thread
 import pytest
 
 import aioelastic
-from aioelastic._core import _binary_start, _platform
-from aioelastic._core._binary_start import MAX_BATCH, BinaryLauncher, BinaryStart, send_batch
-from aioelastic._core._watchdog import watchdog
+from aioelastic._core.process import _platform
+from aioelastic._core.start import _binary_start
+from aioelastic._core.start._binary_start import MAX_BATCH, BinaryLauncher, BinaryStart, send_batch
+from aioelastic._core.start._watchdog import watchdog
 from tests.waits import ReadyFifo, close_with_reporter_stopped, is_running, process_state
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]

@@ -72,7 +72,7 @@ def test_a_script_without_a_main_guard_fails_once_per_worker_naming_the_fix(
 
 @pytest.mark.timeout(30)
 def test_a_fresh_interpreter_is_given_the_directory_that_holds_the_package() -> None:
-    from aioelastic._core._launchers import python_command
+    from aioelastic._core.start._launchers import python_command
 
     code = python_command("pass")[-1]
     appended = code.split("sys.path.append(", 1)[1].split(")", 1)[0]

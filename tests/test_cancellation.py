@@ -47,7 +47,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _pace, _platform
+from aioelastic._core.process import _pace, _platform
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.groups import envs, ranks

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from aioelastic._core._std import Std
+from aioelastic._core.process._std import Std
 from aioelastic._elastic._agent_types import RestartBackoff
 from tests.cli_run import REPO, Launcher, launch, launcher, wait_gone, with_env
 

@@ -23,7 +23,7 @@ from aioelastic import LaunchConfig
 from aioelastic._cli._cli_flags import FLAGS, flag_for
 from aioelastic._cli._cli_parser import build_parser, parse_args
 from aioelastic._cli._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
-from aioelastic._core._std import Std
+from aioelastic._core.process._std import Std
 
 # Flags of torch's parser that torchrun marks private or that only torch.distributed.launch
 # has; everything else must exist here under the same spellings.
@@ -554,7 +554,7 @@ def test_missing_script_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
-    from aioelastic._core import _values as values
+    from aioelastic._core.process import _values as values
     from aioelastic._elastic import _node_values as node_values
 
     # Text from the command line and typed values from the API parse to the same thing.

@@ -20,10 +20,10 @@ from typing import Any, NoReturn
 
 import pytest
 
-from aioelastic._core._error_file import read_error_file, write_error_file
-from aioelastic._core._failures import ChildFailedError, ProcessFailure
-from aioelastic._core._record import record
-from aioelastic._core._results import RunProcsResult
+from aioelastic._core.child._error_file import read_error_file, write_error_file
+from aioelastic._core.reports._failures import ChildFailedError, ProcessFailure
+from aioelastic._core.reports._record import record
+from aioelastic._core.reports._results import RunProcsResult
 from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
 
 CHILD = [sys.executable, "-m", "tests.children.errors"]
@@ -660,9 +660,9 @@ def test_run_procs_result() -> None:
 
 def test_importing_errors_does_not_import_torch() -> None:
     code = (
-        "import sys, aioelastic._core._errors, aioelastic._core._error_file; "
-        "import aioelastic._core._failures, aioelastic._core._record; "
-        "import aioelastic._core._results, aioelastic._core._std; "
+        "import sys, aioelastic._core.reports._errors, aioelastic._core.child._error_file; "
+        "import aioelastic._core.reports._failures, aioelastic._core.reports._record; "
+        "import aioelastic._core.reports._results, aioelastic._core.process._std; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     proc = subprocess.run(
@@ -936,7 +936,7 @@ def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
 
 
 def test_a_truncated_return_value_says_how_much_arrived() -> None:
-    from aioelastic._core._result_pipe import ResultReceiver
+    from aioelastic._core.child._result_pipe import ResultReceiver
 
     read_end, write_end = os.pipe2(os.O_CLOEXEC)
     receiver = ResultReceiver(read_end)

@@ -495,7 +495,7 @@ async def test_wait_that_loses_the_race_against_close_says_stopped(tmp_path: Pat
 async def test_teardown_is_bounded_when_an_exit_is_never_reported(tmp_path: Path) -> None:
     import os
 
-    from aioelastic._core._forkserver import fork_server
+    from aioelastic._core.start._forkserver import fork_server
 
     # A private fork server (its own preload list), stopped with SIGSTOP: the workers die
     # of SIGKILL, but the server that must report their exits never does.

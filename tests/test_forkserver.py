@@ -18,8 +18,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
-from aioelastic._core._forkserver_process import SPARE_NAME
+from aioelastic._core.child._forkserver_process import SPARE_NAME
+from aioelastic._core.start._forkserver import INLINE_CALL_MAX, ForkServerError, fork_server
 from tests.audit import spare_pids
 from tests.children import core, preload_gc
 from tests.groups import envs

@@ -24,7 +24,7 @@ import anyio.to_thread
 import pytest
 
 from aioelastic._compat._launch import MainProcessError, WorkerError, free_port, launch
-from aioelastic._core._failures import ChildFailedError
+from aioelastic._core.reports._failures import ChildFailedError
 from tests.children import spawn as children
 from tests.waits import is_running
 

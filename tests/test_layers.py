@@ -117,81 +117,69 @@ def test_the_core_needs_no_other_layer() -> None:
     assert outside == []
 
 
-#: The rooms of ``_core``, lowest first: a module imports only from its own room or a lower
-#: one, so the order a worker's life is built in (the process and its values, what runs in
-#: the child, reports, processes, output, the worker record, hangs, the group) shows in the
-#: imports and stays that way.
-CORE_ROOMS: list[tuple[str, set[str]]] = [
-    (
-        "the process and its values",
-        {
-            "_backend",
-            "_console",
-            "_exit_status",
-            "_lazy_event",
-            "_log_root",
-            "_pace",
-            "_platform",
-            "_runtime",
-            "_signals",
-            "_status",
-            "_std",
-            "_subreaper",
-            "_to_the_end",
-            "_values",
-        },
-    ),
-    (
-        "the child's side",
-        {
-            "_bootstrap",
-            "_error_file",
-            "_forkserver_process",
-            "_preload",
-            "_result_pipe",
-            "_script",
-            "_stack_hook",
-            "_watchdog_process",
-        },
-    ),
-    ("reports", {"_errors", "_failures", "_record", "_results"}),
-    (
-        "processes: start and exit",
-        {"_binary_start", "_exit_watch", "_forkserver", "_launchers", "_watchdog"},
-    ),
-    ("output", {"_frames", "_logs", "_output", "_terminal"}),
-    ("the worker record and its teardown", {"_teardown", "_worker"}),
-    ("hangs", {"_fifo", "_hangs", "_stacks", "_stall", "_timer_server"}),
-    (
-        "the group",
-        {"_pcontext", "_preparing", "_settle", "_start_methods", "_starting", "_validate"},
-    ),
-]
+#: The rooms of ``_core``, lowest first, each a sub-package (``aioelastic/_core/<room>/``,
+#: its ``__init__`` saying what it holds): a module imports only from its own room or a
+#: lower one, so the order a worker's life is built in (the process and its values, what
+#: runs in the child, reports, starting processes and seeing them exit, output, the worker
+#: record and its teardown, hangs, the group) shows in the imports and stays that way.
+CORE_ROOMS = ["process", "child", "reports", "start", "output", "worker", "hangs", "group"]
+CORE = "aioelastic._core"
 
 
 def _core_room(module: str) -> int:
-    short = module.removeprefix("aioelastic._core.")
-    return next(i for i, (_, members) in enumerate(CORE_ROOMS) if short in members)
+    """The room of ``aioelastic._core.<room>`` or of a module in it, by its order."""
+    return CORE_ROOMS.index(module.split(".")[2])
 
 
 def test_every_core_module_is_in_one_room() -> None:
-    core = {
-        m.removeprefix("aioelastic._core.") for m in MODULES if m.startswith("aioelastic._core.")
-    }
-    placed = [name for _, members in CORE_ROOMS for name in members]
-    assert sorted(placed) == sorted(core), "put a new _core module in one of CORE_ROOMS"
+    # A module directly in _core, in a folder that is not a room, or one folder down too
+    # many, fails: put it in the room it belongs to (or add the room, in its place).
+    misplaced = sorted(
+        m
+        for m in MODULES
+        if m.startswith(CORE + ".")
+        and not (m.split(".")[2] in CORE_ROOMS and len(m.split(".")) in (3, 4))
+    )
+    assert misplaced == [], "put a new _core module in one of CORE_ROOMS"
+    folders = [p.name for p in (PACKAGE / "_core").iterdir() if p.is_dir()]
+    assert sorted(f for f in folders if f != "__pycache__") == sorted(CORE_ROOMS)
+    for room in CORE_ROOMS:
+        init = PACKAGE / "_core" / room / "__init__.py"
+        assert init.is_file(), f"{room} is a package of its own (setuptools finds it so)"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"say what {room} holds"
 
 
 def test_imports_only_go_down_the_rooms_of_the_core() -> None:
     upward = sorted(
-        f"{module} ({CORE_ROOMS[_core_room(module)][0]}) imports {target} "
-        f"({CORE_ROOMS[_core_room(target)][0]})"
+        f"{module} imports {target}"
         for module, targets in GRAPH.items()
-        if module.startswith("aioelastic._core.")
+        if module.startswith(CORE + ".")
         for target in targets
-        if target.startswith("aioelastic._core.") and _core_room(target) > _core_room(module)
+        if target.startswith(CORE + ".") and _core_room(target) > _core_room(module)
     )
     assert upward == []
+
+
+def test_every_import_of_the_package_names_one_of_its_modules() -> None:
+    # An old module path still imports (see _compat/_old_paths.py), for what earlier
+    # versions wrote down; the package's own code uses the paths its modules have.
+    stale = []
+    for module, path in MODULES.items():
+        package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                sources = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                sources = [".".join([*base, *([node.module] if node.module else [])])]
+            else:
+                continue
+            stale += [
+                f"{module} imports {source}"
+                for source in sources
+                if source.split(".")[0] == "aioelastic" and source not in MODULES
+            ]
+    assert stale == []
 
 
 def test_no_import_cycle() -> None:
@@ -221,11 +209,15 @@ def test_no_import_cycle() -> None:
 
 
 def test_layer_packages_import_nothing_when_imported() -> None:
-    # A worker imports aioelastic._core._bootstrap, and with it every package on the way:
-    # those __init__ files must stay empty of imports so that a worker pays for nothing else.
-    for layer in LAYERS:
-        tree = ast.parse((PACKAGE / layer / "__init__.py").read_text())
-        assert not [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)], layer
+    # A worker imports aioelastic._core.child._bootstrap, and with it every package on the
+    # way (a room's package too, and a module imports from other rooms): those __init__
+    # files must stay empty of imports so that a worker pays for nothing else.
+    packages = [*LAYERS, *(f"_core/{room}" for room in CORE_ROOMS)]
+    for package in packages:
+        tree = ast.parse((PACKAGE / package / "__init__.py").read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)], (
+            package
+        )
 
 
 def test_error_types_unpickle_from_their_old_module_paths() -> None:
@@ -240,7 +232,7 @@ def test_error_types_unpickle_from_their_old_module_paths() -> None:
         aioelastic.ProcessRaisedException
     )
     old = pickle.dumps(aioelastic.SignalReceived(15), protocol=0).replace(
-        b"aioelastic._core._signals", b"aioelastic._signals"
+        b"aioelastic._core.process._signals", b"aioelastic._signals"
     )
     assert b"aioelastic._signals" in old
     assert isinstance(pickle.loads(old), aioelastic.SignalReceived)
@@ -250,7 +242,8 @@ def test_error_types_unpickle_from_their_old_module_paths() -> None:
 
 def test_failures_pickled_when_they_lived_in_core_errors_still_load() -> None:
     # ProcessFailure, ChildFailedError and RunProcsResult pickled before the error types
-    # got modules of their own name aioelastic._core._errors (the results' failures too).
+    # got modules of their own name aioelastic._core._errors (the results' failures too);
+    # pickled before _core had rooms, aioelastic._core._failures and ._results.
     import pickle
 
     import aioelastic
@@ -260,8 +253,99 @@ def test_failures_pickled_when_they_lived_in_core_errors_still_load() -> None:
     result = aioelastic.RunProcsResult(failures={0: failure}, stderrs={0: ""})
     for value in (failure, error, result):
         new = pickle.dumps(value, protocol=0)
-        assert b"aioelastic._core._failures" in new
-        old = new.replace(b"aioelastic._core._failures", b"aioelastic._core._errors")
+        assert b"aioelastic._core.reports._failures" in new
+        for failures in (b"aioelastic._core._errors", b"aioelastic._core._failures"):
+            old = new.replace(b"aioelastic._core.reports._failures", failures).replace(
+                b"aioelastic._core.reports._results", b"aioelastic._core._results"
+            )
+            assert b"aioelastic._core.reports" not in old
+            loaded = pickle.loads(old)
+            assert type(loaded) is type(value)
+            assert repr(loaded) == repr(value) or str(loaded) == str(value)
+
+
+def _old_core_paths() -> dict[str, str]:
+    """Module path -> the path it had before ``_core`` had rooms, where one is kept."""
+    from aioelastic._compat._old_paths import OLD_PATHS
+
+    return {new: old for old, new in OLD_PATHS.items() if old.startswith(CORE + "._")}
+
+
+def test_every_core_module_a_pickle_may_name_kept_its_old_path() -> None:
+    # A pickle names a class or a function by its module: the modules that define a public
+    # name or an exception type keep the path they had before _core had rooms.
+    import inspect
+
+    import aioelastic
+
+    named = {getattr(aioelastic, name).__module__ for name in aioelastic.__all__}
+    for module in MODULES:
+        if module.startswith(CORE + ".") and len(module.split(".")) == 4:
+            public_errors = [
+                c
+                for name, c in vars(importlib.import_module(module)).items()
+                if not name.startswith("_")
+                and inspect.isclass(c)
+                and issubclass(c, BaseException)
+                and c.__module__ == module
+            ]
+            if public_errors:
+                named.add(module)
+    old = _old_core_paths()
+    assert sorted(m for m in named if m.startswith(CORE + ".") and m not in old) == []
+
+
+def _with_old_core_paths(data: bytes) -> bytes:
+    for new, old in _old_core_paths().items():
+        data = data.replace(f"{new}\n".encode(), f"{old}\n".encode())
+    return data
+
+
+def test_what_was_pickled_by_an_old_core_path_still_loads() -> None:
+    # Written as an earlier version wrote it: every module path the pickle names is the one
+    # it had before _core had rooms. The same classes and functions come back.
+    import pickle
+    import signal
+
+    import aioelastic
+    from aioelastic._core.child._bootstrap import FunctionCall
+    from aioelastic._core.child._error_file import read_error_file
+    from aioelastic._core.child._preload import UnforkablePreloadError
+    from aioelastic._core.child._script import ScriptRun, run_script_path
+    from aioelastic._core.start._exit_watch import ExitNotSeen
+
+    public = [getattr(aioelastic, name) for name in aioelastic.__all__]
+    by_reference = [obj for obj in public if obj.__module__.startswith(CORE + ".")] + [
+        read_error_file,
+        run_script_path,
+        FunctionCall,
+        ScriptRun,
+    ]
+    for obj in by_reference:
+        old = _with_old_core_paths(pickle.dumps(obj, protocol=0))
+        assert CORE.encode() + b"._" in old, obj
+        assert pickle.loads(old) is obj
+
+    failure = aioelastic.ProcessFailure(0, 42, 1, "<N/A>", "boom", 1.5)
+    values = [
+        failure,
+        aioelastic.ChildFailedError("job", {0: failure}),
+        aioelastic.RunProcsResult(return_values={0: 7}, failures={1: failure}),
+        aioelastic.SignalReceived(signal.SIGTERM),
+        aioelastic.ForkServerError("gone"),
+        aioelastic.OutputItem(
+            local_rank=0, stream=aioelastic.Std.OUT, data=b"hi", frame=False, time=1.0
+        ),
+        aioelastic.Std.ALL,
+        UnforkablePreloadError("threads"),
+        ExitNotSeen("abandoned"),
+        FunctionCall(print, ("x",), {"A": "1"}, "/tmp/error.json"),
+        ScriptRun("train.py", module=False),
+    ]
+    for value in values:
+        old = _with_old_core_paths(pickle.dumps(value, protocol=0))
+        assert CORE.encode() + b"._" in old, value
+        assert not [room for room in CORE_ROOMS if f"{CORE}.{room}.".encode() in old], old
         loaded = pickle.loads(old)
         assert type(loaded) is type(value)
-        assert repr(loaded) == repr(value) or str(loaded) == str(value)
+        assert repr(loaded) == repr(value) or vars(loaded) == vars(value)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._core._failures import ProcessFailure
+from aioelastic._core.reports._failures import ProcessFailure
 from aioelastic._elastic._events import (
     FailureReason,
     GroupRestarting,

@@ -13,7 +13,7 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core._output import HISTORY_BYTES, OutputHub, OutputItem, StreamOutput
+from aioelastic._core.output._stream import HISTORY_BYTES, OutputHub, OutputItem, StreamOutput
 
 
 def _lines(out: StreamOutput, count: int, start: int = 0) -> None:

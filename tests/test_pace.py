@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core import _pace
-from aioelastic._core._pace import pace
+from aioelastic._core.process import _pace
+from aioelastic._core.process._pace import pace
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
 

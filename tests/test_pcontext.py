@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core import _log_root as log_root, _platform
-from aioelastic._core._forkserver import fork_server
+from aioelastic._core.process import _log_root as log_root, _platform
+from aioelastic._core.start._forkserver import fork_server
 from tests.children import core
 from tests.groups import envs
 from tests.waits import ReadyFifo, is_running

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.asyncio
 #: keeps freed arenas, and a shared machine adds noise; a leak of even one 1 KiB object
 #: per worker would be 4 MB here, a leaked pipe buffer far more.
 RSS_BOUND_MB = 20.0
-#: Launcher threads never retire (see aioelastic._core._launchers) and are created on demand,
+#: Launcher threads never retire (see aioelastic._core.start._launchers) and are created on demand,
 #: up to this many: the only threads a cycle may add for good.
 LAUNCHER_THREADS = 8
 

@@ -51,10 +51,10 @@ def _calls_register_at_fork(path: Path) -> bool:
 
 def test_only_the_runtime_registers_at_fork_handlers() -> None:
     # Process-wide state has one owner: a module with state a forked child must drop
-    # registers a hook with aioelastic._core._runtime.forget_in_child instead.
+    # registers a hook with aioelastic._core.process._runtime.forget_in_child instead.
     modules = sorted(PACKAGE.rglob("*.py"))
-    assert PACKAGE / "_core" / "_runtime.py" in modules
+    assert PACKAGE / "_core" / "process" / "_runtime.py" in modules
     registering = [p.relative_to(PACKAGE).as_posix() for p in modules if _calls_register_at_fork(p)]
-    assert registering == ["_core/_runtime.py"]
-    source = (PACKAGE / "_core" / "_runtime.py").read_text()
+    assert registering == ["_core/process/_runtime.py"]
+    source = (PACKAGE / "_core" / "process" / "_runtime.py").read_text()
     assert source.count("os.register_at_fork(") == 1

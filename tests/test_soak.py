@@ -62,8 +62,9 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core import _launchers, _platform
-from aioelastic._core._forkserver import fork_server
+from aioelastic._core.process import _platform
+from aioelastic._core.start import _launchers
+from aioelastic._core.start._forkserver import fork_server
 from tests.audit import (
     Audit,
     audit_fds,
@@ -1129,7 +1130,7 @@ async def test_a_failure_while_siblings_start_stops_them_too(
     tests/test_pcontext.py::test_unpicklable_return_value_fails_that_rank[fork] hits now
     and then: rank 1's launch is held until rank 0's failure has been handled.
     """
-    from aioelastic._core._teardown import stop_workers
+    from aioelastic._core.worker._teardown import stop_workers
     from tests.children import core
 
     fifo = ReadyFifo(tmp_path)

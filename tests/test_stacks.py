@@ -16,8 +16,8 @@ import anyio.abc
 import pytest
 
 import aioelastic
-from aioelastic._core._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
-from aioelastic._core._stacks import StackChannel, StackChannels, _still_dumping
+from aioelastic._core.child._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
+from aioelastic._core.hangs._stacks import StackChannel, StackChannels, _still_dumping
 from tests.children import hangs
 from tests.waits import ReadyFifo, is_running, started_in_own_session
 
@@ -144,7 +144,7 @@ async def test_hook_removes_its_variable_and_ignores_a_regular_file(tmp_path: Pa
     bogus.write_text("")
     code = (
         "import os, signal, faulthandler\n"
-        "from aioelastic._core._stack_hook import install_from_env, STACKS_FIFO_ENV\n"
+        "from aioelastic._core.child._stack_hook import install_from_env, STACKS_FIFO_ENV\n"
         "print(install_from_env(), STACKS_FIFO_ENV in os.environ)\n"
     )
     out = subprocess.run(
@@ -405,7 +405,7 @@ def test_a_dump_in_progress_is_seen_in_the_kernels_signal_masks() -> None:
 
 
 def test_a_binary_runs_the_hook_by_its_public_name_or_the_old_private_one() -> None:
-    from aioelastic._core._start_methods import runs_stack_hook
+    from aioelastic._core.group._start_methods import runs_stack_hook
 
     assert script_argv("python", "train.py", ["--lr", "1"])[1:4] == [
         "-u",
@@ -415,3 +415,47 @@ def test_a_binary_runs_the_hook_by_its_public_name_or_the_old_private_one() -> N
     assert runs_stack_hook(("-u", "-m", "aioelastic.stack_hook", "train.py"))
     assert runs_stack_hook(("-m", "aioelastic._core._stack_hook", "train.py"))
     assert not runs_stack_hook(("-c", "aioelastic.stack_hook"))
+
+
+#: The hook's module path before ``_core`` had rooms: earlier docs told users to run it.
+OLD_HOOK = "aioelastic._core._stack_hook"
+
+
+def test_the_old_private_path_runs_a_script_as_the_public_one_does(tmp_path: Path) -> None:
+    relative = os.path.relpath(FIDELITY)
+    runs = [
+        subprocess.run(
+            [sys.executable, "-u", "-m", module, relative, "a", "--b"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        for module in ("aioelastic.stack_hook", OLD_HOOK)
+    ]
+    assert [run.returncode for run in runs] == [0, 0], runs[1].stderr
+    assert runs[1].stderr == ""
+    assert json.loads(runs[1].stdout) == json.loads(runs[0].stdout)
+    script = tmp_path / "fails.py"
+    script.write_text("raise SystemExit(3)\n")
+    failing = subprocess.run([sys.executable, "-m", OLD_HOOK, str(script)], timeout=30)
+    assert failing.returncode == 3
+
+
+@pytest.mark.asyncio
+async def test_the_old_private_path_answers_for_stacks(tmp_path: Path) -> None:
+    ready = ReadyFifo(tmp_path)
+    channel = StackChannel(tmp_path / "stacks.fifo")
+    channel.open()
+    try:
+        argv = [sys.executable, "-u", "-m", OLD_HOOK, HANGS, str(ready.path), "sleep"]
+        async with started_in_own_session(argv, channel.env()) as proc:
+            await ready.lines(1)
+            text = await channel.capture(proc.pid, timeout=30)
+            assert text is not None
+            assert "in stuck_in_sleep" in text
+            # The wrapper's frames, the old path's included, are not the user's.
+            assert "_stack_hook" not in text
+            assert "runpy" not in text
+    finally:
+        channel.close()
+        ready.close()

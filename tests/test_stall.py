@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core._stall import RankActivity, StallReport, wait_for_stall
+from aioelastic._core.hangs._stall import RankActivity, StallReport, wait_for_stall
 from tests.children import hangs
 from tests.waits import ReadyFifo
 

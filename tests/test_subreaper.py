@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._core import _platform
-from aioelastic._core._runtime import runtime
-from aioelastic._core._subreaper import LINEAGE_ENV, lineage_env
+from aioelastic._core.process import _platform
+from aioelastic._core.process._runtime import runtime
+from aioelastic._core.process._subreaper import LINEAGE_ENV, lineage_env
 from tests.children import subreaper as child
 from tests.cli_run import REPO, launch, wait_gone
 

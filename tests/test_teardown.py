@@ -13,8 +13,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core import _platform
-from aioelastic._core._runtime import runtime
+from aioelastic._core.process import _platform
+from aioelastic._core.process._runtime import runtime
 from tests.children import core
 from tests.waits import ReadyFifo, is_running
 

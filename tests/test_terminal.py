@@ -249,8 +249,8 @@ def test_a_plain_stream_gets_a_pty_exactly_when_the_group_saw_a_terminal_there(
 ) -> None:
     # The group's one look at the console decides for every worker, whatever this test
     # process's own descriptors are.
-    from aioelastic._core._frames import Live
-    from aioelastic._core._terminal import ConsoleTerminals, open_worker_stdio
+    from aioelastic._core.output._frames import Live
+    from aioelastic._core.output._terminal import ConsoleTerminals, open_worker_stdio
 
     terminals = ConsoleTerminals(stdin=False, stdout=stdout_tty, stderr=stderr_tty)
     stdio = open_worker_stdio(
@@ -282,7 +282,7 @@ def test_the_console_probe_reports_each_of_the_three_streams() -> None:
     master, slave = os.openpty()
     try:
         probe = (
-            "from aioelastic._core._terminal import ConsoleTerminals as T; "
+            "from aioelastic._core.output._terminal import ConsoleTerminals as T; "
             "t = T.probe(); print(t.stdin, t.stdout, t.stderr)"
         )
         proc = subprocess.run(

@@ -20,8 +20,8 @@ import pytest
 
 import aioelastic
 import aioelastic.timer
-from aioelastic._core._stack_hook import script_argv
-from aioelastic._core._timer_server import Expiry, TimerServer
+from aioelastic._core.child._stack_hook import script_argv
+from aioelastic._core.hangs._timer_server import Expiry, TimerServer
 from tests.children import hangs
 from tests.waits import ReadyFifo, started_in_own_session
 

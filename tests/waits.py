@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from aioelastic._core._platform import proc_stat
+from aioelastic._core.process._platform import proc_stat
 
 
 class ReadyFifo:
@@ -102,7 +102,7 @@ async def close_with_reporter_stopped(ctx: Any, reporter_pid: int, grace: float)
     must say its exit status is unknown. Returns the result of ``ctx.wait()``; the caller
     continues the reporter (SIGCONT) whatever happens.
     """
-    from aioelastic._core._teardown import CHILDREN_KILL_TIMEOUT
+    from aioelastic._core.worker._teardown import CHILDREN_KILL_TIMEOUT
 
     os.kill(reporter_pid, signal.SIGSTOP)
     start = time.monotonic()

@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 
 import aioelastic
-from aioelastic._core import _platform
-from aioelastic._core._forkserver import fork_server
+from aioelastic._core.process import _platform
+from aioelastic._core.start._forkserver import fork_server
 from workloads import workers
 
 

@@ -20,8 +20,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .._core import _stack_hook as stack_hook, _values as values
-from .._core._std import Std, to_map
+from .._core.child import _stack_hook as stack_hook
+from .._core.process import _values as values
+from .._core.process._std import Std, to_map
 from .._elastic import _node_values as node_values
 from .._elastic._agent_types import RestartBackoff
 from .._elastic._elastic_launch import LaunchConfig
@@ -73,11 +74,11 @@ class CommandLine:
     def target(self) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
         """The entrypoint and arguments for ``elastic_launch(config, entrypoint)(*args)``."""
         if self.preload:
-            from .._core._script import ScriptRun
+            from .._core.child._script import ScriptRun
 
             return ScriptRun(self.entrypoint, self.module), self.args
         if self.run_path:
-            from .._core._script import run_script_path
+            from .._core.child._script import run_script_path
 
             return run_script_path, (self.entrypoint, *self.args)
         if self.entrypoint == sys.executable and self.args[:1] == ("-u",):

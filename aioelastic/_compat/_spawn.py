@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._core import _values as values
-from .._core._exit_status import exit_description
-from .._core._failures import ChildFailedError, ProcessFailure, failure_traceback
-from .._core._pcontext import run_processes
+from .._core.group._pcontext import run_processes
+from .._core.process import _values as values
+from .._core.process._exit_status import exit_description
+from .._core.reports._failures import ChildFailedError, ProcessFailure, failure_traceback
 
 __all__ = [
     "ProcessException",

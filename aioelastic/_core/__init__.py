@@ -1,9 +1,11 @@
 """The core layer: one group of worker processes, from checked arguments to teardown.
 
-Checks, start (launcher threads, the fork server, the watchdog), the child side, exit
-watch, logs and console, results and errors, the one teardown, hangs, and the state the
-whole process shares. It imports no other layer of aioelastic.
+Its rooms, one sub-package each, lowest first: ``process`` (the process and its values),
+``child`` (what runs in the child), ``reports``, ``start`` (processes: start and exit),
+``output``, ``worker`` (the worker record and its teardown), ``hangs``, ``group``. A module
+imports only from its own room or a lower one (tests/test_layers.py). It imports no other
+layer of aioelastic.
 
-Empty of imports on purpose: every worker imports this package on its way to
-``_bootstrap``.
+Empty of imports on purpose, as each room's package is: every worker imports this package
+on its way to ``child._bootstrap``.
 """

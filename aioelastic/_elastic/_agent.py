@@ -42,16 +42,16 @@ from typing import Any
 
 import anyio
 
-from .._core import _log_root as log_root
-from .._core._backend import require_asyncio
-from .._core._exit_status import signal_text
-from .._core._failures import ProcessFailure
-from .._core._hangs import stack_requests
-from .._core._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
-from .._core._pcontext import PContext, start_processes
-from .._core._results import RunProcsResult
-from .._core._signals import SignalReceived, SignalScope, handle_signals
-from .._core._std import Std
+from .._core.group._pcontext import PContext, start_processes
+from .._core.hangs._guard import stack_requests
+from .._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
+from .._core.process import _log_root as log_root
+from .._core.process._backend import require_asyncio
+from .._core.process._exit_status import signal_text
+from .._core.process._signals import SignalReceived, SignalScope, handle_signals
+from .._core.process._std import Std
+from .._core.reports._failures import ProcessFailure
+from .._core.reports._results import RunProcsResult
 from ._agent_env import worker_env
 from ._agent_types import (
     DEFAULT_ROLE,
@@ -389,7 +389,7 @@ class LocalElasticAgent:
         self._log_root = root
 
     def _drop_empty_temporary_logs(self) -> None:
-        """Remove a temporary log root that received no file (see `aioelastic._core._log_root`)."""
+        """Remove a temporary log root that received no file (see `_core.process._log_root`)."""
         if self._config.log_dir is None and self._log_root is not None:
             log_root.remove_if_empty(self._log_root, f"agent {self._spec.role!r}")
 

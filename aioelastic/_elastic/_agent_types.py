@@ -16,8 +16,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._core import _values as values
-from .._core._failures import ProcessFailure
+from .._core.process import _values as values
+from .._core.reports._failures import ProcessFailure
 from . import _node_values as node_values
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from .._core._failures import ProcessFailure
-from .._core._pcontext import PContext
-from .._core._results import RunProcsResult
+from .._core.group._pcontext import PContext
+from .._core.reports._failures import ProcessFailure
+from .._core.reports._results import RunProcsResult
 from ._job_channel import AttemptEnd, Capture, JobChannel
 from ._rdzv_node import NodeRendezvous
 

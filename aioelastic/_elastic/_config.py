@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from .._core import _values as values
-from .._core._std import Std, to_map
+from .._core.process import _values as values
+from .._core.process._std import Std, to_map
 from . import _node_values as node_values
 from ._metrics import health_port_from_env
 

@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core import _stack_hook as stack_hook, _values as values
-from .._core._backend import require_asyncio
-from .._core._failures import ChildFailedError
-from .._core._signals import SignalReceived
-from .._core._std import Std
+from .._core.child import _stack_hook as stack_hook
+from .._core.process import _values as values
+from .._core.process._backend import require_asyncio
+from .._core.process._signals import SignalReceived
+from .._core.process._std import Std
+from .._core.reports._failures import ChildFailedError
 from . import _node_values as node_values
 from ._agent import LocalElasticAgent
 from ._agent_types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec

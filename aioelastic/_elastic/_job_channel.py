@@ -52,8 +52,8 @@ from typing import TypeVar
 
 import anyio
 
-from .._core._error_file import NOT_AVAILABLE
-from .._core._failures import ProcessFailure
+from .._core.child._error_file import NOT_AVAILABLE
+from .._core.reports._failures import ProcessFailure
 from ._job_stacks import JobStacks, RankStack
 from ._rdzv_store import Store
 from ._rdzv_thread import SerialThread

@@ -2,7 +2,7 @@
 
 The values only an elastic job has (how many nodes, the rendezvous endpoint and options, the
 signals the agent handles, the exit codes it restarts on, its shutdown timeout): one
-parser each, in the manner of :mod:`aioelastic._core._values` (which holds the group's own
+parser each, in the manner of :mod:`aioelastic._core.process._values` (which holds the group's own
 values and the shared helpers), used by `LaunchConfig`, `WorkerSpec`, the agent's config and
 ``aioelastic-run``'s flags. No torch in this module.
 """
@@ -15,7 +15,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._core._values import (
+from .._core.process._values import (
     PORT_DIGITS,
     duration,
     integer,

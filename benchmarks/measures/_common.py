@@ -33,13 +33,13 @@ def aio(module: str) -> ModuleType:
 
 
 def aio_core() -> Any:
-    """``aioelastic._core._pcontext`` (start_processes, run_processes)."""
-    return aio("aioelastic._core._pcontext")
+    """``aioelastic._core.group._pcontext`` (start_processes, run_processes)."""
+    return aio("aioelastic._core.group._pcontext")
 
 
 def aio_std() -> Any:
     """aioelastic's ``Std`` flag."""
-    return aio("aioelastic._core._std").Std
+    return aio("aioelastic._core.process._std").Std
 
 
 def torch_mp() -> Any:

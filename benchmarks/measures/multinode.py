@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aioelastic._core._platform import proc_stat
+from aioelastic._core.process._platform import proc_stat
 from benchmarks._spec import (
     Group,
     Measure,

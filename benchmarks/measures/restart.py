@@ -110,7 +110,7 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
 
 async def _warm_start(ctx: RepContext, preload: tuple[str, ...]) -> float:
     """N workers of the restart's kind from the same warm fork server, to all in user code."""
-    core = aio("aioelastic._core._pcontext")
+    core = aio("aioelastic._core.group._pcontext")
     from benchmarks import _fn_torch
 
     directory = ctx.workdir / "warm"

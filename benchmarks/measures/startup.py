@@ -45,7 +45,7 @@ def _stop_our_fork_server(preload: tuple[str, ...]) -> None:
     # Cold: the next start pays for the server's interpreter and its imports again.
     # stop() waits for the old server's exit, as the stdlib's _stop() does on torch's
     # side: with close() it would still be exiting during the timed start.
-    from aioelastic._core import _forkserver
+    from aioelastic._core.start import _forkserver
 
     _forkserver.fork_server(preload).stop()
     _forkserver.servers().pop(preload, None)

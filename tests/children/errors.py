@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 
 def _ours_raise(msg: str) -> None:
-    from aioelastic._core._record import record
+    from aioelastic._core.reports._record import record
 
     @record
     def main() -> None:
@@ -33,7 +33,7 @@ def _ours_raise(msg: str) -> None:
 
 
 def _ours_exit(code: str) -> None:
-    from aioelastic._core._record import record
+    from aioelastic._core.reports._record import record
 
     @record
     def main() -> None:
@@ -43,7 +43,7 @@ def _ours_exit(code: str) -> None:
 
 
 def _ours_segv() -> None:
-    from aioelastic._core._record import record
+    from aioelastic._core.reports._record import record
 
     @record
     def main() -> None:
@@ -132,7 +132,7 @@ def _measure_read(path: str) -> None:
     import resource
     import time
 
-    from aioelastic._core._failures import ChildFailedError, ProcessFailure
+    from aioelastic._core.reports._failures import ChildFailedError, ProcessFailure
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     start = time.monotonic()

@@ -21,9 +21,9 @@ import anyio
 import anyio.to_thread
 
 import aioelastic
-from aioelastic._core import _platform
-from aioelastic._core._platform import children_of
-from aioelastic._core._watchdog import watchdog
+from aioelastic._core.process import _platform
+from aioelastic._core.process._platform import children_of
+from aioelastic._core.start._watchdog import watchdog
 from tests.children import core
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import resource
 
-import aioelastic._core._bootstrap  # noqa: F401 - imported before the uid change
+import aioelastic._core.child._bootstrap  # noqa: F401 - imported before the uid change
 
 NOBODY = 65534
 

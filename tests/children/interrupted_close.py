@@ -17,7 +17,7 @@ import sys
 import anyio
 
 import aioelastic
-from aioelastic._core._watchdog import watchdog
+from aioelastic._core.start._watchdog import watchdog
 from tests.audit import children_of, open_fds
 from tests.children import core
 

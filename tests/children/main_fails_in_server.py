@@ -12,7 +12,7 @@ import json
 
 import anyio
 
-from aioelastic._core._forkserver import ForkServerError
+from aioelastic._core.start._forkserver import ForkServerError
 from tests.children import core
 
 if __name__ != "__main__":

@@ -18,12 +18,12 @@ import threading
 
 import anyio
 
-from aioelastic._core import _forkserver
-from aioelastic._core._console import console
-from aioelastic._core._launchers import launcher_pool, on_launcher_thread
-from aioelastic._core._runtime import Runtime, runtime
-from aioelastic._core._subreaper import enable_subreaper, subreaper_enabled
-from aioelastic._core._watchdog import watchdog
+from aioelastic._core.process._console import console
+from aioelastic._core.process._runtime import Runtime, runtime
+from aioelastic._core.process._subreaper import enable_subreaper, subreaper_enabled
+from aioelastic._core.start import _forkserver
+from aioelastic._core.start._launchers import launcher_pool, on_launcher_thread
+from aioelastic._core.start._watchdog import watchdog
 
 #: How long the child gives the launcher threads and the console to answer.
 CHILD_TIMEOUT = 20.0

@@ -192,7 +192,7 @@ def stop_while_publishing_error_file(fifo: str) -> None:
     ``os.rename`` or ``os.link``): at that moment the whole file is written, and a
     worker killed there is one killed at the worst moment for leftovers.
     """
-    from aioelastic._core._error_file import write_error_file
+    from aioelastic._core.child._error_file import write_error_file
 
     publishing = {os.replace, os.rename, os.link}
 
@@ -264,7 +264,7 @@ def main() -> None:
 
 def _leftovers(helpers: set[int], fds_before: set[int]) -> dict[str, Any]:
     """What this supervisor still holds after its context closed."""
-    from aioelastic._core._platform import proc_stat
+    from aioelastic._core.process._platform import proc_stat
 
     me = os.getpid()
     zombies, live = [], []
@@ -292,15 +292,15 @@ def supervise(config: dict[str, Any]) -> None:
     import anyio
 
     import aioelastic
-    from aioelastic._core import _forkserver
-    from aioelastic._core._watchdog import watchdog
+    from aioelastic._core.start import _forkserver
+    from aioelastic._core.start._watchdog import watchdog
 
     if config.get("subreaper"):
         assert aioelastic.enable_subreaper()
     elif config.get("kernel_subreaper_only"):
         # Adopt escaped descendants (kernel side) without aioelastic's subreaper mode, to
         # show what the default mode leaves behind — and still clean it up ourselves.
-        from aioelastic._core import _platform
+        from aioelastic._core.process import _platform
 
         assert _platform.set_child_subreaper()
     fds_before = set(map(int, os.listdir("/proc/self/fd")))

@@ -1,0 +1,618 @@
+"""A group of local workers: its life from start to teardown.
+
+The life of a worker, room by room: :mod:`._validate` checks the call; :mod:`._preparing`
+makes its log files, environment and call; a start method (:mod:`._start_methods`: the
+watchdog's ``posix_spawn`` for a binary, :mod:`..start._launchers` and the warm
+:mod:`..start._forkserver` for a function) makes its process, whose child side is
+:mod:`..child._bootstrap`, and :mod:`._starting` wires its pipes and pumps;
+:mod:`..start._exit_watch` learns of its exit from the kernel; :mod:`..output._logs` pumps
+its output; :mod:`._settle` decides what became of it; :mod:`..worker._teardown` stops it;
+:mod:`..reports._failures` and :mod:`..reports._results` report what happened.
+:class:`PContext` holds only the lifecycle: enter, wait, stop, close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import enum
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Collection, Mapping
+from types import TracebackType
+from typing import Any
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+
+from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
+from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
+from ..process import _platform
+from ..process._backend import callback_context, require_asyncio
+from ..process._console import console
+from ..process._lazy_event import wait_all
+from ..process._std import Std
+from ..process._to_the_end import to_the_end
+from ..reports._failures import ProcessFailure
+from ..reports._results import RunProcsResult
+from ..start import _launchers
+from ..start._exit_watch import ExitOutcome
+from ..start._watchdog import watchdog
+from ..worker._process import WorkerProcess
+from ..worker._teardown import stop_workers
+from . import _preparing as preparing, _settle as settle
+from ._start_methods import start_method
+from ._starting import GroupStarter, OutputTarget
+from ._validate import GroupSpec, validate
+
+logger = logging.getLogger("aioelastic")
+
+#: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
+#: descendant that escaped its process group (``setsid``) can keep one open that long.
+IO_DRAIN_TIMEOUT = 2.0
+
+
+class Phase(enum.IntEnum):
+    """Where a group is in its life. It only moves forward."""
+
+    #: Made; nothing exists yet.
+    NEW = 0
+    #: Entered: its files are made, then its workers started.
+    STARTING = 1
+    #: Every worker started.
+    RUNNING = 2
+    #: The teardown has begun or is scheduled (a failure, a stall, ``close()``).
+    STOPPING = 3
+    #: Every worker stopped and reaped; its output is being finished.
+    STOPPED = 4
+    #: Output finished, files removed: nothing of the group is left.
+    CLOSED = 5
+
+
+class PContext:
+    """A running group of local workers (an async context manager).
+
+    Made by :func:`start_processes`; the workers start when the ``async with`` block is
+    entered and are all stopped when it is left, however it is left.
+    """
+
+    def __init__(self, spec: GroupSpec, hangs: HangConfig | None = None) -> None:
+        self._spec = spec
+        self._method = start_method(spec)
+        self._workers: list[WorkerProcess] = []
+        self._output = OutputTarget(OutputHub())
+        # A worker that does not run our hooks never answers a stack request: no FIFO.
+        stack_ranks = [r for r in range(spec.nprocs) if self._method.runs_python(r)]
+        self._hangs = HangGuard(hangs or HangConfig(), spec.nprocs, stack_ranks=stack_ranks)
+        #: Why a rank was found hung (timer expiry, stall): the head of its failure.
+        self._hang_texts: dict[int, str] = {}
+        self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
+        #: The group's log files, once made.
+        self._files: preparing.GroupFiles | None = None
+        self._phase = Phase.NEW
+        self._tg: anyio.abc.TaskGroup | None = None
+        #: The context the workers' exit callbacks run in (made in the loop, when started).
+        self._callbacks = contextvars.Context()
+        self._io_scopes: list[anyio.CancelScope] = []
+        self._done = anyio.Event()
+        #: How many times close() was called: a second call escalates.
+        self._close_calls = 0
+        self._stopped = anyio.Event()
+        self._escalate = anyio.Event()
+        # Kept as each worker settles, so that an exit costs the same whatever N is: a
+        # scan of every worker per exit made a group's end quadratic in its size.
+        #: Whether any worker failed (from its exit on; its report may still be built).
+        self._any_failure = False
+        #: How many workers settled as succeeded.
+        self._succeeded = 0
+
+    @property
+    def name(self) -> str:
+        """The group's name (used in log prefixes and failure reports)."""
+        return self._spec.name
+
+    @property
+    def nprocs(self) -> int:
+        """Number of local workers."""
+        return self._spec.nprocs
+
+    def pids(self) -> dict[int, int]:
+        """Pid of each started worker, by local rank."""
+        return {w.local_rank: w.pid for w in self._ranked()}
+
+    def __repr__(self) -> str:
+        started = len(self._workers)
+        return (
+            f"<PContext {self.name!r} {self._method.name} nprocs={self.nprocs} "
+            f"{self._phase.name.lower()} started={started}>"
+        )
+
+    def output(
+        self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
+    ) -> OutputStream[OutputItem]:
+        """Subscribe to the workers' output: every line and progress frame, live.
+
+        ``async for item in ctx.output():`` yields an :class:`OutputItem` per line (or
+        ``\\r`` frame) of every rank and stream, in the order each rank wrote them, whether
+        or not the streams are redirected or tee'd, and ends once every worker's streams
+        ended (the workers and their children exited, or the group was closed).
+        Subscribe before or after ``async with`` is entered; any number of subscribers
+        may read side by side.
+
+        Args:
+            replay: Start with what the workers wrote before this call (as much as the
+                bounded history holds; ``missed`` on the first item counts what it no
+                longer holds). ``False``: only what is written from now on.
+            buffer: Items this subscriber may fall behind by; when more arrive, the oldest
+                are dropped and the next item's ``missed`` says how many (the log files
+                still hold everything). Reading slowly never slows the workers.
+
+        Raises:
+            ValueError: ``buffer`` is not a positive number of items.
+        """
+        return self._output.hub.subscribe(replay=replay, buffer=buffer)
+
+    def share_output(self, hub: OutputHub, ranks: Mapping[int, int], attempt: int) -> None:
+        """Publish into ``hub`` (an agent's, spanning attempts) instead of a hub of our own.
+
+        Items then carry the global rank (``ranks``, by local rank) and ``attempt``. Call
+        before the group is entered.
+        """
+        self._output = OutputTarget(hub, ranks, attempt, owned=False)
+
+    def _ranked(self) -> list[WorkerProcess]:
+        return sorted(self._workers, key=lambda w: w.local_rank)
+
+    def _failed(self) -> bool:
+        return self._any_failure
+
+    # -- starting ---------------------------------------------------------------------
+
+    async def __aenter__(self) -> PContext:
+        require_asyncio("start_processes()")
+        if self._phase is not Phase.NEW:
+            raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
+        self._phase = Phase.STARTING
+        _platform.ensure_default_sigchld()
+        prepared = await self._open_and_prepare()
+        # The log files no worker took over are closed however the start ends: all of
+        # them if it failed, none are left once every worker started.
+        with contextlib.ExitStack() as always:
+            for rank_prep in prepared.values():
+                always.callback(rank_prep.close_logs)
+            try:
+                try:
+                    if not watchdog.running():
+                        await _launchers.on_launcher_thread(watchdog.ensure_started)
+                except OSError as exc:
+                    preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
+            except BaseException:
+                await self._blocking(self._hangs.close)
+                raise
+            self._callbacks = callback_context()
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            try:
+                await self._start_all(prepared)
+            except BaseException as exc:
+                await self.close()
+                await self._tg.__aexit__(None, None, None)
+                raise exc
+        if self._phase is Phase.STARTING:  # not stopped while starting
+            self._phase = Phase.RUNNING
+        if self._hangs.watching:
+            self._tg.start_soon(self._run_hangs)
+        if self._output.owned:
+            self._output.hub.seal()  # every stream exists now: the last one ends output()
+        # A worker that failed while its siblings were still starting had its teardown
+        # held back until now, so that it covers every worker that was started.
+        self._stop_if_failed()
+        return self
+
+    async def _blocking(self, fn: Callable[[], object]) -> None:
+        """``fn()``, blocking file work for each rank (see :func:`~._preparing.blocking`)."""
+        await preparing.blocking(self.nprocs, fn)
+
+    async def _open_and_prepare(self) -> dict[int, preparing.Prepared]:
+        """The stack FIFOs, then the group's files, environments and calls."""
+        await self._blocking(self._hangs.open)
+        try:
+            self._files, prepared = await preparing.prepare_group(
+                self._spec, self._method, self._hangs
+            )
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self._blocking(self._hangs.close)
+            raise
+        return prepared
+
+    async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
+        assert self._files is not None
+        starter = GroupStarter(
+            self._spec,
+            self._files,
+            prepared,
+            self._hangs,
+            self._output,
+            result_pipe=self._method.returns_value,
+            workers=self._workers,
+            on_exit=self._exit_seen,
+            run_io=self._run_io,
+        )
+        await self._method.start(starter)
+        if starter.errors:
+            rank, exc = starter.errors[0]
+            preparing.raise_start_error(exc, f"worker {rank} of {self.name!r}")
+        self._method.after_group()
+
+    def _run_io(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run an I/O task that outer cancellation cannot interrupt mid-transfer.
+
+        Log pumps must not lose the bytes still in a pipe when the host task is
+        cancelled; :meth:`_finish_io` ends them explicitly after a final drain.
+        """
+        scope = anyio.CancelScope(shield=True)
+        self._io_scopes.append(scope)
+
+        async def run() -> None:
+            with scope:
+                await fn(*args)
+
+        assert self._tg is not None
+        self._tg.start_soon(run)
+
+    # -- watching ---------------------------------------------------------------------
+
+    def _exit_seen(self, worker: WorkerProcess, outcome: ExitOutcome) -> None:
+        # A loop callback: anyio (the failure report's task, teardown's) needs to be told
+        # where it runs.
+        self._callbacks.copy().run(self._on_exit, worker, outcome)
+
+    def _on_exit(self, worker: WorkerProcess, outcome: ExitOutcome) -> None:
+        """Record the worker's exit, then settle its outcome (see :mod:`._settle`).
+
+        Called back by the worker's exit watch, from the event loop. A success settles
+        here and now; only a failure, whose report reads the error file, takes a task.
+        """
+        settle.record_exit(worker, outcome, self._hangs.exited)
+        try:
+            problems = settle.settle_success(worker, self._hang_texts)
+        except Exception as exc:
+            problems = [f"exit could not be reported: {exc!r}"]
+        if problems is None:
+            self._settled(worker)
+            return
+        # The group failed now: its teardown starts at once, while the report (which
+        # reads the error file on a thread) is built beside it.
+        self._any_failure = True
+        try:
+            self._stop_if_failed()
+            assert self._tg is not None
+            self._tg.start_soon(self._settle_failure, worker, problems)
+        except Exception as exc:
+            logger.exception("aioelastic: reporting the exit of worker %d", worker.local_rank)
+            # No task can be started (the group's task group is closing): report the
+            # failure without its error file rather than never.
+            worker.failure = settle.unreported(worker, exc)
+            self._settled(worker)
+
+    async def _settle_failure(self, worker: WorkerProcess, problems: list[str]) -> None:
+        """Build the failure report of ``worker`` and settle it. Shielded: it always ends."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await settle.report_failure(worker, problems, self._hang_texts)
+            finally:
+                self._settled(worker)
+
+    def _settled(self, worker: WorkerProcess) -> None:
+        """Mark the outcome of ``worker`` final and count it into the group's."""
+        worker.settled.set()
+        if worker.failure is not None:
+            self._any_failure = True
+        elif worker.succeeded:
+            self._succeeded += 1
+        if self._failed():
+            self._done.set()
+            self._stop_if_failed()
+        elif self._succeeded == self.nprocs:
+            self._done.set()
+
+    def _stop_if_failed(self) -> None:
+        # A failed group is torn down the moment the failure is seen, whether or not
+        # anyone is in wait() right now.
+        if self._failed() and self._phase is Phase.RUNNING:
+            self._phase = Phase.STOPPING
+            assert self._tg is not None
+            self._tg.start_soon(self._teardown, signal.SIGTERM, self._spec.grace_period)
+
+    # -- hangs ------------------------------------------------------------------------
+
+    async def dump_stacks(self, timeout: float | None = None) -> dict[int, str]:
+        """Every thread's Python stack of each running worker, without stopping them.
+
+        Returns ``{local_rank: text}``; a worker that does not answer within ``timeout``
+        seconds (5 by default) maps to a line saying so. See docs/hangs.md.
+        """
+        running = {w.local_rank: w.pid for w in self._ranked() if w.returncode is None}
+        return await self._hangs.dump_stacks(running, timeout)
+
+    def last_output_times(self) -> dict[int, float]:
+        """When each running worker last wrote output (``time.time()``), for metrics."""
+        offset = time.time() - time.monotonic()
+        found = {}
+        for worker in self._ranked():
+            times = [p.last_output for p in (worker.stdout, worker.stderr)]
+            latest = max((t for t in times if t is not None), default=None)
+            if worker.returncode is None and latest is not None:
+                found[worker.local_rank] = latest + offset
+        return found
+
+    async def _run_hangs(self) -> None:
+        assert self._tg is not None
+        tg = self._tg
+        hooks = WorkerHooks(
+            {w.local_rank: w for w in self._workers},  # every worker has started by now
+            self._hang_texts,
+            lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+        )
+        self._hang_scope = anyio.CancelScope()
+        if self._phase >= Phase.STOPPING:
+            return
+        with self._hang_scope:
+            await self._hangs.run(hooks)
+
+    # -- waiting ----------------------------------------------------------------------
+
+    async def wait(self, timeout: float | None = None) -> RunProcsResult | None:
+        """Wait for the group's outcome.
+
+        Returns when every worker exited 0, or when the first worker failed — in that
+        case after the others were stopped. With ``timeout`` (seconds; 0 only checks),
+        returns ``None`` if the workers are still running, and leaves them running.
+        Cancelling a ``wait()`` does not stop the workers. A ``wait()`` that returns
+        because another task called :meth:`close` first gets a result with
+        ``stopped=True`` (see :class:`RunProcsResult`).
+        """
+        if self._phase is Phase.NEW:
+            raise RuntimeError("wait() needs the workers started: use 'async with' first")
+        if timeout is None:
+            await self._done.wait()
+        else:
+            with anyio.move_on_after(timeout):
+                await self._done.wait()
+            if not self._done.is_set():
+                return None
+        if self._failed():
+            await self._stopped.wait()
+        return self._result()
+
+    async def first_failures(self) -> dict[int, ProcessFailure]:
+        """Wait until the group's outcome is known; the failures settled then, by local rank.
+
+        Returns as soon as the first failure is reported — the teardown of the other
+        workers has only begun — or ``{}`` once every worker succeeded or the group was
+        closed. For telling others at once (the elastic agent tells the other nodes);
+        :meth:`wait` gives the final result, after the teardown.
+        """
+        if self._phase is Phase.NEW:
+            raise RuntimeError("first_failures() needs the workers started: use 'async with'")
+        await self._done.wait()
+        return {w.local_rank: w.failure for w in self._ranked() if w.failure is not None}
+
+    def _result(self) -> RunProcsResult:
+        result = settle.group_result(self._ranked(), self.nprocs)
+        if result.failures:
+            self._any_failure = True
+        return result
+
+    # -- stopping ---------------------------------------------------------------------
+
+    async def close(
+        self, death_sig: int = signal.SIGTERM, grace_period: float | None = None
+    ) -> None:
+        """Stop every worker and everything in their process groups; idempotent.
+
+        Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
+        ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
+        group that still has a member, and reaps. A second ``close()`` while one is in
+        progress (a second Ctrl-C, say) escalates: the rest of the grace period is
+        skipped and every group is SIGKILLed at once, whatever its arguments.
+        """
+        if self._phase is Phase.NEW:
+            return
+        grace = self._spec.grace_period if grace_period is None else grace_period
+        if self._close_calls:
+            self._escalate.set()
+        self._close_calls += 1
+
+        async def stop_and_finish() -> None:
+            with anyio.CancelScope(shield=True):
+                await self._stop(death_sig, grace)
+                await self._finish_io()
+
+        # The shield keeps anyio's cancellation out as before; to_the_end also runs the
+        # teardown to its end despite asyncio's own (a Ctrl-C under asyncio.run cancels
+        # the main task, which is often this one), and raises it only then.
+        with anyio.CancelScope(shield=True):
+            await to_the_end(stop_and_finish)
+
+    async def _stop(self, death_sig: int, grace_period: float) -> None:
+        """Tear the group down, or wait for the teardown under way (hurried, if asked)."""
+        if self._phase >= Phase.STOPPING:
+            if death_sig == signal.SIGKILL or grace_period <= 0:
+                self._escalate.set()
+            await self._stopped.wait()
+            return
+        self._phase = Phase.STOPPING
+        await self._teardown(death_sig, grace_period)
+
+    async def _teardown(self, death_sig: int, grace_period: float) -> None:
+        """The one teardown of the group's workers; then the group is STOPPED."""
+        if self._hang_scope is not None:
+            self._hang_scope.cancel()
+        try:
+            with anyio.CancelScope(shield=True):
+                await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
+                # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
+                # point sees every failure, not a half-reported group.
+                with anyio.move_on_after(settle.REPORT_TIMEOUT + 1):
+                    await wait_all(worker.settled for worker in self._workers)
+        finally:
+            self._phase = max(self._phase, Phase.STOPPED)
+            self._done.set()
+            self._stopped.set()
+
+    async def _finish_io(self) -> None:
+        if self._phase is Phase.CLOSED:
+            return
+        self._phase = Phase.CLOSED
+        pumps = [p for w in self._workers for p in (w.stdout, w.stderr)]
+        # Every writer is dead now, so the pipes reach end-of-file at once — unless a
+        # descendant escaped its process group and still holds one.
+        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
+            await wait_all(pump.closed for pump in pumps)
+        for scope in self._io_scopes:
+            scope.cancel()
+        for worker in self._workers:
+            for pump in (worker.stdout, worker.stderr):
+                pump.drain(max_chunks=1024)
+                pump.finish()
+            if worker.result is not None:
+                worker.result.close()
+            # Closing a worker's pipes and log files is a handful of syscalls; for
+            # hundreds of workers, other tasks run in between.
+            await anyio.lowlevel.cancel_shielded_checkpoint()
+        if self._output.owned:
+            self._output.hub.close()
+        # Bounded: a console whose reader stopped reading (a paused terminal, a full
+        # pipe nobody drains) must not hold up the end of the run.
+        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
+            for stream in (console("stdout"), console("stderr")):
+                await stream.flush()
+        # Removing hundreds of FIFOs and directories is as slow as creating them.
+        await self._blocking(self._remove_files)
+
+    def _remove_files(self) -> None:
+        """Blocking: remove the stack FIFOs and the temporary log directory (if empty)."""
+        self._hangs.close()
+        if self._files is not None:
+            self._files.remove_temporary()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        assert self._tg is not None
+        try:
+            await self.close()
+        except asyncio.CancelledError:
+            # asyncio's own cancellation, passed on by close() once its teardown ended:
+            # the task group is exited first, or it would stay entered in this task.
+            await self._tg.__aexit__(None, None, None)
+            raise
+        # Outside any shield: a task group must be exited from the scope it was entered
+        # in. Its tasks are all finished or shielded-and-ending by now, so this is quick.
+        await self._tg.__aexit__(None, None, None)
+        return None
+
+
+def start_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str | int]],
+    log_dir: str | os.PathLike[str] | None = None,
+    start_method: str = "spawn",
+    redirects: Std | Mapping[int, Std] = Std.NONE,
+    tee: Std | Mapping[int, Std] = Std.NONE,
+    *,
+    grace_period: float = 30.0,
+    forkserver_preload: Collection[str] = (),
+    local_ranks_filter: Collection[int] | None = None,
+    log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
+) -> PContext:
+    """Validate the arguments and return a :class:`PContext` (workers start on entry).
+
+    Args:
+        name: The group's name, used in log prefixes (``[{name}{local_rank}]:``).
+        entrypoint: A callable (function workers, called as ``entrypoint(*args[rank])``)
+            or a str (a binary, run as ``[entrypoint, *map(str, args[rank])]``).
+        args: Arguments per local rank; keys exactly ``0..n-1``.
+        envs: Extra environment per local rank; same keys as ``args``.
+        log_dir: Where ``{local_rank}/stdout.log|stderr.log|error.json`` go; a fresh
+            temporary directory when ``None``. Must not hold earlier output.
+        start_method: ``spawn``, ``fork`` or ``forkserver`` (function workers only).
+        redirects: Streams written to log files, as a :class:`Std` or per rank.
+        tee: Streams also printed to the console with a rank prefix.
+        grace_period: Default seconds between the death signal and SIGKILL.
+        forkserver_preload: Modules the fork server imports once for all workers.
+        local_ranks_filter: Ranks whose console output is shown (all when ``None``).
+        log_line_prefix: Template with ``${role_name} ${rank} ${local_rank} ${hostname}``.
+        stall_timeout: Seconds without output or timer request from any worker after
+            which the group is reported stalled, with every stack, and stopped (off when
+            ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
+            torch's file timer. See docs/hangs.md.
+
+    Raises:
+        ValueError, TypeError: On any invalid argument, before anything starts.
+    """
+    spec = validate(
+        name=name,
+        entrypoint=entrypoint,
+        args=args,
+        envs=envs,
+        log_dir=log_dir,
+        start_method=start_method,
+        redirects=redirects,
+        tee=tee,
+        grace_period=grace_period,
+        forkserver_preload=forkserver_preload,
+        local_ranks_filter=local_ranks_filter,
+        log_line_prefix=log_line_prefix,
+    )
+    return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
+
+
+async def run_processes(
+    name: str,
+    entrypoint: Callable[..., Any] | str,
+    args: Mapping[int, tuple[Any, ...]],
+    envs: Mapping[int, Mapping[str, str | int]],
+    log_dir: str | os.PathLike[str] | None = None,
+    start_method: str = "spawn",
+    redirects: Std | Mapping[int, Std] = Std.NONE,
+    tee: Std | Mapping[int, Std] = Std.NONE,
+    *,
+    grace_period: float = 30.0,
+    forkserver_preload: Collection[str] = (),
+    local_ranks_filter: Collection[int] | None = None,
+    log_line_prefix: str | None = None,
+    stall_timeout: float | None = None,
+) -> RunProcsResult:
+    """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
+    ctx = start_processes(
+        name,
+        entrypoint,
+        args,
+        envs,
+        log_dir,
+        start_method,
+        redirects,
+        tee,
+        grace_period=grace_period,
+        forkserver_preload=forkserver_preload,
+        local_ranks_filter=local_ranks_filter,
+        log_line_prefix=log_line_prefix,
+        stall_timeout=stall_timeout,
+    )
+    async with ctx:
+        result = await ctx.wait()
+    assert result is not None
+    return result

@@ -1,0 +1,321 @@
+"""Starting one worker of a group: its pipes and pumps, then its record once it exists.
+
+A start method (:mod:`._start_methods`) makes the process; what every worker needs
+around it is here. :meth:`GroupStarter.open` makes a worker's pipes (or pseudo-terminals)
+and output pumps; :meth:`GroupStarter.record` makes the started process a
+:class:`~..worker._process.WorkerProcess` of the group: watched, pumped, fed its call.
+
+Cleanup after a failed start uses two exit stacks per worker, as trio's ``_open_process``
+does: one that always runs once the start was tried (the child's ends of its pipes: it
+holds its own copies by then) and one that runs only if the worker will not run (our
+ends, the pumps, the log files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import string
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from ..child._result_pipe import ResultReceiver
+from ..hangs._guard import HangGuard
+from ..output._logs import StreamPump
+from ..output._stream import OutputHub, StreamOutput
+from ..output._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
+from ..process._console import console
+from ..process._pace import pace
+from ..process._runtime import runtime
+from ..process._std import Std
+from ..start._exit_watch import ExitOutcome
+from ..start._launchers import Launched, kill_and_reap, on_launcher_thread
+from ..start._watchdog import watchdog
+from ..worker._process import WorkerProcess
+from ._preparing import GroupFiles, Prepared
+from ._validate import GroupSpec
+
+
+@dataclass
+class OutputTarget:
+    """Where a group's output items go, and the ranks and attempt they carry."""
+
+    hub: OutputHub
+    #: Global rank by local rank (under the agent); ``None``: items carry no global rank.
+    ranks: Mapping[int, int] | None = None
+    attempt: int | None = None
+    #: Whether the group owns ``hub`` (seals and closes it) or publishes into an agent's.
+    owned: bool = True
+
+
+@dataclass(eq=False)
+class Opening:
+    """The fds and pumps of one worker being started, until it is recorded (or fails)."""
+
+    prepared: Prepared
+    stdio: WorkerStdio
+    stdout: StreamPump
+    stderr: StreamPump
+    #: Closed once the child was started (or could not be): it holds its own copies.
+    child_ends: contextlib.ExitStack
+    #: Closed only if the worker will not run: our ends, the pumps, the log files.
+    on_failure: contextlib.ExitStack
+    #: The result pipe of a function worker (-1, -1 for a binary).
+    res_r: int = -1
+    res_w: int = -1
+
+    @property
+    def out_w(self) -> int:
+        """The child's stdout (its write end)."""
+        return self.stdio.stdout_w
+
+    @property
+    def err_w(self) -> int:
+        """The child's stderr (its write end)."""
+        return self.stdio.stderr_w
+
+    @property
+    def stdin(self) -> int | None:
+        """The child's own stdin, if it gets one."""
+        return self.stdio.stdin
+
+    @property
+    def parent_ends(self) -> list[int]:
+        """Our ends, which a forked child must not keep."""
+        ends = self.stdio.parent_ends()
+        return [*ends, self.res_r] if self.res_r >= 0 else ends
+
+    def abort(self) -> None:
+        """Close everything: the worker will not run. Idempotent."""
+        self.child_ends.close()
+        self.on_failure.close()
+
+
+#: Makes the process of an opened worker: one start method's launch.
+Launch = Callable[[Prepared, Opening], Awaitable[Launched]]
+
+
+class GroupStarter:
+    """Opens and records the workers of one group's start.
+
+    Args:
+        spec: the group.
+        files: its log files (made by :func:`~._preparing.prepare_group`).
+        prepared: each rank's environment and call.
+        hangs: the group's hang guard (told of each worker's pid).
+        output: where output items go.
+        result_pipe: whether workers send a return value back (function workers).
+        workers: the group's records, appended to as workers are recorded.
+        on_exit: called back by each worker's exit watch.
+        run_io: runs an I/O task of the group (shielded, ended at teardown).
+    """
+
+    def __init__(
+        self,
+        spec: GroupSpec,
+        files: GroupFiles,
+        prepared: Mapping[int, Prepared],
+        hangs: HangGuard,
+        output: OutputTarget,
+        *,
+        result_pipe: bool,
+        workers: list[WorkerProcess],
+        on_exit: Callable[[WorkerProcess, ExitOutcome], None],
+        run_io: Callable[..., None],
+    ) -> None:
+        self.spec = spec
+        self.files = files
+        self.prepared = prepared
+        self._hangs = hangs
+        self._output = output
+        self._result_pipe = result_pipe
+        self._workers = workers
+        self._on_exit = on_exit
+        self._run_io = run_io
+        self._terminals = ConsoleTerminals.probe()
+        #: The starts that failed, by rank, in the order seen: the first one is raised.
+        self.errors: list[tuple[int, BaseException]] = []
+
+    def private_fds(self) -> list[int]:
+        """The supervisor's fds a forked worker must close (they would outlive us in it)."""
+        return [*filter(None, [watchdog.fileno()]), *self._hangs.fds()]
+
+    async def start_one(self, rank: int, launch: Launch) -> None:
+        """Open, launch and record the worker of ``rank``; a failure goes to :attr:`errors`."""
+        try:
+            await pace()
+            opening = self.open(rank)
+            try:
+                with opening.child_ends:
+                    launched = await launch(self.prepared[rank], opening)
+            except BaseException:
+                opening.abort()
+                raise
+            # The process exists: only its record may follow, whatever is cancelled.
+            with anyio.CancelScope(shield=True):
+                await pace()
+            await self.record(rank, opening, launched)
+        except Exception as exc:
+            self.errors.append((rank, exc))
+
+    def open(self, rank: int) -> Opening:
+        """The pipes and pumps of a worker about to start (all closed if this fails)."""
+        prepared = self.prepared[rank]
+        # Every fd made here is closed on any failure (EMFILE can strike at each step).
+        with contextlib.ExitStack() as child_ends, contextlib.ExitStack() as on_failure:
+            on_failure.callback(prepared.close_logs)
+            stdout = self._pump_settings(rank, Std.OUT)
+            stderr = self._pump_settings(rank, Std.ERR)
+            stdio = open_worker_stdio(
+                stdout_plain=_plain(stdout),
+                stderr_plain=_plain(stderr),
+                single_worker=self.spec.nprocs == 1,
+                terminals=self._terminals,
+            )
+            for fd in stdio.child_ends():
+                child_ends.callback(os.close, fd)
+            pumps: list[StreamPump] = []
+            on_failure.callback(_close_unowned, stdio.parent_ends(), pumps)
+            res_r = res_w = -1
+            if self._result_pipe:
+                res_r, res_w = os.pipe2(os.O_CLOEXEC)
+                on_failure.callback(os.close, res_r)
+                child_ends.callback(os.close, res_w)
+            for fd, settings, live, stream in (
+                (stdio.stdout_r, stdout, stdio.live_stdout, Std.OUT),
+                (stdio.stderr_r, stderr, stdio.live_stderr, Std.ERR),
+            ):
+                log_fd = prepared.take_log(stream)
+                try:
+                    pumps.append(StreamPump(fd, **settings, live=live, log_fd=log_fd))
+                except BaseException:
+                    if log_fd is not None:
+                        os.close(log_fd)
+                    raise
+            opening = Opening(
+                prepared,
+                stdio,
+                pumps[0],
+                pumps[1],
+                child_ends.pop_all(),
+                on_failure.pop_all(),
+                res_r,
+                res_w,
+            )
+        return opening
+
+    async def record(self, rank: int, opening: Opening, launched: Launched) -> None:
+        """Make the started process a worker of the group, watched and pumped."""
+        try:
+            watchdog.watch(launched.pid)
+            self._hangs.started(rank, launched.pid)
+            worker = WorkerProcess(
+                local_rank=rank,
+                launched=launched,
+                error_file=opening.prepared.error_file,
+                stdout_path=self.files.logged_path(rank, Std.OUT),
+                stderr_path=self.files.logged_path(rank, Std.ERR),
+                stdout=opening.stdout,
+                stderr=opening.stderr,
+                result=ResultReceiver(opening.res_r) if opening.res_r >= 0 else None,
+            )
+            launched.watch.on_exit(functools.partial(self._on_exit, worker))
+            runtime.worker_leaders.add(launched.pid)  # until stop_workers reaps it
+        except BaseException:
+            # The process exists but nothing would ever stop or reap it: do both now.
+            with anyio.CancelScope(shield=True):
+                await on_launcher_thread(kill_and_reap, launched)
+            watchdog.forget(launched.pid)
+            opening.abort()
+            if launched.payload_fd is not None:
+                os.close(launched.payload_fd)
+            raise
+        opening.on_failure.pop_all()  # the worker's record owns them now
+        self._workers.append(worker)
+        # Reader callbacks, not tasks: a task costs a few kB, two per worker.
+        worker.stdout.start()
+        worker.stderr.start()
+        if opening.stdio.uses_terminal:
+            self._run_io(opening.stdio.serve, launched.pid)
+        if worker.result is not None:
+            self._run_io(worker.result.run)
+        if launched.payload_fd is not None:
+            assert isinstance(opening.prepared.payload, bytes)
+            self._run_io(feed_payload, launched.payload_fd, opening.prepared.payload)
+
+    def _pump_settings(self, rank: int, stream: Std) -> dict[str, Any]:
+        spec = self.spec
+        shown = spec.local_ranks_filter is None or rank in spec.local_ranks_filter
+        teed = stream in spec.tee[rank]
+        redirected = stream in self.files.logged[rank]
+        target = console("stdout" if stream is Std.OUT else "stderr")
+        if shown and teed:
+            sink, prefix = target, _prefix(spec, rank)
+        elif shown and not redirected:
+            sink, prefix = target, b""
+        else:
+            sink, prefix = None, b""
+        ranks = self._output.ranks
+        return {
+            "log_path": self.files.log_path(rank, stream) if redirected else None,
+            "console": sink,
+            "prefix": prefix,
+            "keep_tail": stream is Std.ERR,
+            "output": StreamOutput(
+                self._output.hub,
+                rank,
+                stream,
+                rank=None if ranks is None else ranks[rank],
+                attempt=self._output.attempt,
+            ),
+        }
+
+
+def _close_unowned(parent_ends: list[int], pumps: list[StreamPump]) -> None:
+    """Finish the pumps (closing their pipes and logs) and close the ends none of them owns."""
+    owned = set()
+    for pump in pumps:
+        owned.add(pump.fileno())
+        pump.finish()
+    for fd in parent_ends:
+        if fd not in owned:
+            os.close(fd)
+
+
+def _prefix(spec: GroupSpec, rank: int) -> bytes:
+    if spec.log_line_prefix is None:
+        return f"[{spec.name}{rank}]:".encode()
+    env = spec.envs[rank]
+    text = string.Template(spec.log_line_prefix).substitute(
+        role_name=env.get("ROLE_NAME", spec.name),
+        rank=env.get("RANK", str(rank)),
+        local_rank=str(rank),
+        hostname=socket.gethostname(),
+    )
+    return text.encode()
+
+
+def _plain(pump: dict[str, Any]) -> bool:
+    """A stream that goes to the console unprefixed and nowhere else (see _terminal)."""
+    return pump["console"] is not None and not pump["prefix"] and pump["log_path"] is None
+
+
+async def feed_payload(fd: int, payload: bytes) -> None:
+    """Write the pickled call into a new worker's payload pipe, then close it."""
+    os.set_blocking(fd, False)
+    view = memoryview(payload)
+    try:
+        while view:
+            try:
+                view = view[os.write(fd, view) :]
+            except BlockingIOError:
+                await anyio.wait_writable(fd)
+            except BrokenPipeError:
+                return  # the worker died before reading; its exit is reported anyway
+    finally:
+        os.close(fd)

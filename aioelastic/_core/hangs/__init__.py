@@ -1,0 +1,1 @@
+"""Hangs: stacks on demand, the file timer, stall detection."""

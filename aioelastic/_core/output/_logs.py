@@ -1,0 +1,329 @@
+"""One worker stream (stdout or stderr) from its pipe to its log file, console and tail.
+
+A :class:`StreamPump` is no task at all: it is called back by the event loop when the
+pipe is readable (``loop.add_reader``), so a quiet worker costs neither a thread, nor a
+polling period, nor a task's memory (a few kB each, for hundreds of workers). On each
+call it:
+
+* appends the raw bytes to the log file, if the stream is redirected — every byte, in
+  order, undecoded;
+* cuts the bytes into whole lines and progress frames for the console (prefixed when
+  tee'd) with a :class:`~._frames.Framer`, holding back a partial line until its newline,
+  its redrawing ``\r``, the end of the stream, or :data:`FLUSH_DELAY` after its first
+  byte arrived;
+* keeps the last lines of stderr for the failure report.
+
+The read end may be a pipe or the master side of a pseudo-terminal (:mod:`._terminal`),
+which reports the end of the stream as ``EIO`` rather than end-of-file.
+
+Log files are written with plain ``os.write`` from the event loop: an append to a local
+file lands in the page cache in microseconds, less than handing each chunk to a thread
+(aiofiles) would cost. The console, which *can* block, is behind :mod:`..process._console`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import math
+import os
+import time
+
+from ..process._console import ConsoleStream
+from ..process._lazy_event import LazyEvent
+from ._frames import Framer, Live
+from ._stream import StreamOutput
+
+logger = logging.getLogger("aioelastic")
+
+#: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
+#: counted from its first byte: a bar that keeps growing is still shown this often.
+FLUSH_DELAY = 0.25
+
+_CHUNK = 1 << 16
+_CHUNKS_PER_WAKEUP = 64
+
+
+class StreamPump:
+    """Moves one worker stream from its pipe to where the stream's settings send it.
+
+    Args:
+        fd: The read end of the worker's pipe (made non-blocking; closed at the end).
+        log_path: The log file to append every byte to, or ``None``.
+        console: Where whole lines are printed, or ``None``.
+        prefix: Put before every console line (and after every redrawing ``\\r``).
+        keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
+        live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
+        output: Where every chunk goes for ``ctx.output()`` subscribers (after the file).
+        log_fd: ``log_path`` already opened with :func:`create_log`; the pump owns it
+            from now on (closes it in :meth:`finish`).
+    """
+
+    # Two per worker, hundreds of workers: no per-instance dict.
+    __slots__ = (
+        "_console",
+        "_fd",
+        "_flush_at",
+        "_framer",
+        "_log_error",
+        "_log_fd",
+        "_log_path",
+        "_log_written",
+        "_loop",
+        "_output",
+        "_read_error",
+        "_reading",
+        "_room",
+        "_timer",
+        "closed",
+        "last_chunk",
+        "last_output",
+    )
+
+    def __init__(
+        self,
+        fd: int,
+        *,
+        log_path: str | os.PathLike[str] | None,
+        console: ConsoleStream | None,
+        prefix: bytes,
+        keep_tail: bool,
+        live: Live = Live.OFF,
+        output: StreamOutput | None = None,
+        log_fd: int | None = None,
+    ) -> None:
+        self._log_fd: int | None = log_fd
+        os.set_blocking(fd, False)
+        self._fd: int | None = fd
+        self._log_path = log_path
+        #: Bytes appended to the log file so far, and why appending stopped (if it did).
+        self._log_written = 0
+        self._log_error: OSError | None = None
+        self._console = console
+        self._output = output
+        self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
+        #: When the held partial line must be printed (``inf`` while none is held).
+        self._flush_at = math.inf
+        #: The loop calling us back while started (see :meth:`start`).
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: Whether the reader callback is registered for ``_fd`` now.
+        self._reading = False
+        #: The wake-up at ``_flush_at``, while a partial line is held.
+        self._timer: asyncio.TimerHandle | None = None
+        #: Resolved once the console has room again, while reading is paused for it.
+        self._room: asyncio.Future[None] | None = None
+        #: Why the pipe stopped being read before its end, if it did.
+        self._read_error: Exception | None = None
+        #: Set once the pipe reached end-of-file (or was closed by :meth:`finish`).
+        self.closed = LazyEvent()
+        #: CLOCK_MONOTONIC time of the last chunk read, and the last bytes read (for
+        #: stall reports).
+        self.last_output: float | None = None
+        self.last_chunk = b""
+
+    def fileno(self) -> int | None:
+        """The pipe's read end, ``None`` once closed."""
+        return self._fd
+
+    def open_log(self) -> None:
+        """Create the log file; refuses to overwrite one (``O_EXCL``)."""
+        if self._log_path is not None and self._log_fd is None:
+            self._log_fd = create_log(self._log_path)
+
+    def start(self) -> None:
+        """Start pumping, from callbacks of the running event loop (no task, no thread).
+
+        Raises:
+            RuntimeError: Called outside the event loop's thread, or twice.
+        """
+        if self._loop is not None:
+            raise RuntimeError("StreamPump.start() was called twice; start a pump once")
+        self._loop = asyncio.get_running_loop()
+        if self._fd is not None:
+            # No read now: the registration is level-triggered, so bytes the worker wrote
+            # already call the reader on the loop's next turn (a read here would mostly
+            # find the pipe empty, for a syscall and an exception per stream).
+            self._loop.add_reader(self._fd, self._step)
+            self._reading = True
+
+    async def run(self) -> None:
+        """Start pumping (see :meth:`start`) and wait until the pipe is closed."""
+        self.start()
+        await self.closed.wait()
+
+    def _resume(self) -> None:
+        assert self._loop is not None
+        self._room = None
+        if self._fd is None:
+            return
+        if not self._reading:
+            self._loop.add_reader(self._fd, self._step)
+            self._reading = True
+        # Bytes may have arrived while paused, and a held line may be due by now.
+        self._step()
+
+    def _step(self) -> None:
+        """One wake-up: the pipe is readable, or a held line's deadline came."""
+        loop = self._loop
+        assert loop is not None
+        if self._fd is None or self._room is not None:
+            return
+        try:
+            self.drain(_CHUNKS_PER_WAKEUP)
+            # Checked after the drain: the rest of the line may have been waiting in the
+            # pipe already (this call was late, the machine busy).
+            if self._flush_at <= loop.time():
+                self._flush_at = math.inf
+                self._put(self._framer.flush())
+        except Exception as exc:
+            # In a task this would have failed the whole group; from a callback it would
+            # only reach the loop's exception handler while the worker blocks on a full
+            # pipe. The stream ends here instead, and the failure report says why.
+            logger.exception("aioelastic: reading a worker's output failed")
+            self._read_error = exc
+            self.finish()
+            return
+        if self.fileno() is None:  # the drain reached the end of the stream
+            return
+        timer = self._timer
+        if timer is not None and timer.when() != self._flush_at:
+            timer.cancel()
+            self._timer = timer = None
+        if timer is None and self._flush_at != math.inf:
+            self._timer = loop.call_at(self._flush_at, self._on_deadline)
+        if self._console is not None:
+            # Back-pressure: while the console is far behind, stop reading the pipe. A
+            # held partial line's bytes are then simply part of what is waited on.
+            room = self._console.room(loop)
+            if room is not None:
+                self._pause(room)
+
+    def _on_deadline(self) -> None:
+        self._timer = None
+        self._step()
+
+    def _pause(self, room: asyncio.Future[None]) -> None:
+        assert self._loop is not None
+        assert self._fd is not None
+        self._room = room
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._reading:
+            self._loop.remove_reader(self._fd)
+            self._reading = False
+        room.add_done_callback(lambda _: self._resume())
+
+    def drain(self, max_chunks: int | None = None) -> None:
+        """Consume what the pipe holds now, without waiting (the exit path calls this)."""
+        count = 0
+        while self._fd is not None and (max_chunks is None or count < max_chunks):
+            try:
+                chunk = os.read(self._fd, _CHUNK)
+            except BlockingIOError:
+                return
+            except OSError as exc:
+                # A pseudo-terminal's master reads EIO once every slave side is closed.
+                if exc.errno != errno.EIO:
+                    raise
+                chunk = b""
+            count += 1
+            if not chunk:
+                self.finish()
+                return
+            self._consume(chunk)
+
+    def finish(self) -> None:
+        """Flush the held partial line and close the pipe and the log file (idempotent)."""
+        self._flush_at = math.inf
+        self._put(self._framer.end())
+        if self._output is not None:
+            self._output.end()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._fd is not None:
+            if self._reading:
+                # Unregister while the number still names this pipe: a stale registration
+                # would be attached to whatever file reuses the number next (another
+                # worker's pipe, a pidfd of teardown), whose reader would never be called.
+                assert self._loop is not None
+                self._loop.remove_reader(self._fd)
+                self._reading = False
+            os.close(self._fd)
+            self._fd = None
+            self.closed.set()
+        if self._log_fd is not None:
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def _append_to_log(self, chunk: bytes) -> None:
+        # A full disk (ENOSPC), the file-size limit (EFBIG) or an I/O error must not stop
+        # the pump: the pipe keeps being drained (a worker never blocks on a full pipe)
+        # and the console and the tail still get every byte. The file just ends here.
+        assert self._log_fd is not None
+        view = memoryview(chunk)
+        try:
+            while view:
+                written = os.write(self._log_fd, view)
+                self._log_written += written
+                view = view[written:]
+        except OSError as exc:
+            self._log_error = exc
+            os.close(self._log_fd)
+            self._log_fd = None
+
+    def log_fault(self) -> str | None:
+        """Why the log file is incomplete (``"... not written past byte N: ..."``), or ``None``."""
+        if self._read_error is not None:
+            return f"output not read to the end: {self._read_error!r}"
+        if self._log_error is None:
+            return None
+        return f"log {self._log_path} not written past byte {self._log_written}: {self._log_error}"
+
+    def tail_lines(self) -> list[str]:
+        """The last stderr lines (with a held partial line), decoded for a report.
+
+        A line redrawn with carriage returns (a progress bar) is reported once, as it was
+        last drawn.
+        """
+        return [line.decode("utf-8", "replace") for line in self._framer.tail_lines()]
+
+    def _consume(self, chunk: bytes) -> None:
+        self.last_output = time.monotonic()
+        # The end of the output so far, not of this chunk: `python -u` writes a print's
+        # text and its newline in two writes, and the last chunk is often just "\n".
+        self.last_chunk = (self.last_chunk + chunk[-256:])[-256:]
+        if self._log_fd is not None:
+            self._append_to_log(chunk)
+        if self._output is not None:
+            self._output.feed(chunk)
+        if self._console is None and not self._framer.keeps_tail:
+            return
+        framer = self._framer
+        held_from = framer.held_from if framer.holding else None
+        self._put(framer.feed(chunk))
+        if not framer.holding:
+            self._flush_at = math.inf
+        elif framer.held_from != held_from:
+            # A new piece is held: its own first byte starts its delay, not that of the
+            # line this chunk completed. A block-buffered writer ends nearly every read
+            # mid-line, and a deadline kept from the first of them cut a line in two
+            # every FLUSH_DELAY. The loop's clock (anyio's on asyncio), asked of the loop
+            # directly because this runs in a reader callback, outside any task.
+            loop = self._loop or asyncio.get_running_loop()
+            self._flush_at = loop.time() + FLUSH_DELAY
+
+    def _put(self, data: bytes) -> None:
+        if data and self._console is not None:
+            self._console.put(data)
+
+
+def create_log(path: str | os.PathLike[str]) -> int:
+    """Create a stream's log file for appending; refuses to overwrite one (``O_EXCL``).
+
+    Blocking: creating a file can take a millisecond on a slow or busy filesystem, so a
+    group's log files are created off the event loop (see ``PContext``).
+    """
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC, 0o644)

@@ -1,0 +1,1 @@
+"""The worker record and its teardown."""
