@@ -410,6 +410,17 @@ FLAGS: tuple[Flag, ...] = (
         metavar="SECONDS",
     ),
     Flag(
+        ("--stop-leader-first",),
+        None,
+        False,
+        "Stop each worker before its helpers: the stop signal (a failure, a handled signal, "
+        "a restart) goes to the worker alone, so that its children (data-loader processes) "
+        "keep running while it checkpoints; once it exited the rest of its process group "
+        "gets the signal, and whatever is left after --shutdown-timeout is SIGKILLed. "
+        "Without it the whole group gets the signal at once, as torchrun does.",
+        ours=True,
+    ),
+    Flag(
         ("--metrics-port",),
         cli_type(values.port, "PORT"),
         None,

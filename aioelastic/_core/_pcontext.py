@@ -416,7 +416,9 @@ class PContext:
 
         Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
         ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
-        group that still has a member, and reaps. A second ``close()`` while one is in
+        group that still has a member, and reaps. With ``stop_leader_first`` (see
+        :func:`start_processes`) ``death_sig`` goes to each worker alone, and to the rest
+        of its group once the worker exited. A second ``close()`` while one is in
         progress (a second Ctrl-C, say) escalates: the rest of the grace period is
         skipped and every group is SIGKILLed at once, whatever its arguments.
         """
@@ -454,7 +456,13 @@ class PContext:
             self._hang_scope.cancel()
         try:
             with anyio.CancelScope(shield=True):
-                await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
+                await stop_workers(
+                    list(self._workers),
+                    death_sig,
+                    grace_period,
+                    self._escalate,
+                    leader_first=self._spec.stop_leader_first,
+                )
                 # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
                 # point sees every failure, not a half-reported group.
                 with anyio.move_on_after(settle.REPORT_TIMEOUT + 1):
@@ -535,6 +543,7 @@ def start_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    stop_leader_first: bool = False,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -557,6 +566,13 @@ def start_processes(
             which the group is reported stalled, with every stack, and stopped (off when
             ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
             torch's file timer. See docs/hangs.md.
+        stop_leader_first: Stop each worker before its helpers: the stop signal goes to
+            the worker alone, so that the children it needs to shut down cleanly (the
+            data-loader processes a trainer reads from while it saves a checkpoint on
+            SIGTERM) keep running; once the worker exited, the rest of its process group
+            gets the same signal, and whatever is left when the grace period ends is
+            SIGKILLed. ``False`` (the default, as torchrun): the whole group gets it at
+            once. See docs/reliability.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -574,6 +590,7 @@ def start_processes(
         forkserver_preload=forkserver_preload,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
+        stop_leader_first=stop_leader_first,
     )
     return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
@@ -593,6 +610,7 @@ async def run_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    stop_leader_first: bool = False,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -609,6 +627,7 @@ async def run_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
         stall_timeout=stall_timeout,
+        stop_leader_first=stop_leader_first,
     )
     async with ctx:
         result = await ctx.wait()

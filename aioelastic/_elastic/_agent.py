@@ -141,6 +141,11 @@ class LocalElasticAgent:
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
+        stop_leader_first: whenever the agent stops its workers (a failure, a signal, a
+            restart), the stop signal goes to each worker alone and to the rest of its
+            process group once the worker exited, so that a trainer that checkpoints on
+            SIGTERM keeps its data-loader processes while it saves (`start_processes`);
+            False (the default, as torchrun): the whole group at once.
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -171,6 +176,7 @@ class LocalElasticAgent:
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        stop_leader_first: bool = False,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
     ) -> None:
@@ -194,6 +200,7 @@ class LocalElasticAgent:
             stall_timeout=stall_timeout,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            stop_leader_first=stop_leader_first,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -594,6 +601,7 @@ class LocalElasticAgent:
             local_ranks_filter=self._shown_ranks(),
             log_line_prefix=self._config.log_line_prefix_template,
             stall_timeout=self._config.stall_timeout,
+            stop_leader_first=self._config.stop_leader_first,
         )
         self._output.new_attempt()
         ctx.share_output(
