@@ -38,6 +38,7 @@ from ._hangs import HangConfig, HangGuard, WorkerHooks
 from ._lazy_event import wait_all
 from ._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ._results import RunProcsResult
+from ._stall import StallTeller
 from ._start_methods import start_method
 from ._starting import GroupStarter, OutputTarget
 from ._std import Std
@@ -89,6 +90,8 @@ class PContext:
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
         self._hang_texts: dict[int, str] = {}
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
+        #: Tells a stall in place of the group's own report (see tell_stalls_with).
+        self._stall_teller: StallTeller | None = None
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
         self._phase = Phase.NEW
@@ -161,6 +164,16 @@ class PContext:
         before the group is entered.
         """
         self._output = OutputTarget(hub, ranks, attempt, owned=False)
+
+    def tell_stalls_with(self, teller: StallTeller) -> None:
+        """Have ``teller`` make the text printed when the group stalls (``stall_timeout``).
+
+        An elastic agent tells the stacks of every rank of the job this way, not only of
+        this group's. ``teller`` is awaited with the group's :class:`StallReport` before
+        the group is stopped, for at most ``STALL_TELL_TIMEOUT`` seconds; past that, or if
+        it raises, the group's own report is printed. Call before the group is entered.
+        """
+        self._stall_teller = teller
 
     def _ranked(self) -> list[WorkerProcess]:
         return sorted(self._workers, key=lambda w: w.local_rank)
@@ -356,6 +369,7 @@ class PContext:
             {w.local_rank: w for w in self._workers},  # every worker has started by now
             self._hang_texts,
             lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+            self._stall_teller,
         )
         self._hang_scope = anyio.CancelScope()
         if self._phase >= Phase.STOPPING:

@@ -30,6 +30,7 @@ in `._agent_types`; each worker's environment is built by `._agent_env`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -51,6 +52,7 @@ from .._core._output import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from .._core._pcontext import PContext, start_processes
 from .._core._results import RunProcsResult
 from .._core._signals import SignalReceived, SignalScope, handle_signals
+from .._core._stall import StallReport
 from .._core._std import Std
 from ._agent_env import worker_env
 from ._agent_types import (
@@ -336,15 +338,50 @@ class LocalElasticAgent:
         channel, ctx = self._channel, self._ctx
         if channel is None or channel.nodes == 1:
             return await ctx.dump_stacks() if ctx is not None else {}
-        report = (await self.job_stacks()).format()
-        if self._log_root is not None:
-            name = time.strftime("stacks-%Y%m%d-%H%M%S.txt")
-            try:
-                (self._log_root / name).write_text(report)
-                report += f"(also in {self._log_root / name})\n"
-            except OSError as e:
-                report += f"(not written to {self._log_root}: {e})\n"
-        return report
+        return self._keep_report("stacks", (await self.job_stacks()).format())
+
+    async def _tell_stall(self, stall: StallReport) -> str:
+        """This node's workers stalled: the report with every rank's stack across the job.
+
+        The stacks this node took when it found the stall, and those of every other node,
+        asked for through the store as for ``kill -URG`` (a node that does not answer
+        within `STACKS_TIMEOUT` seconds is named); on one node, its own ranks grouped the
+        same way. Ranks are global. Also written to the log directory (``stall-<time>.txt``).
+        """
+        workers = self._group.workers
+        pids = self._ctx.pids() if self._ctx is not None else {}
+        own = [
+            (workers[lr].global_rank, pids.get(lr, -1), text)
+            for lr, text in sorted(stall.stacks.items())
+        ]
+
+        async def taken() -> list[tuple[int, int, str]]:
+            return own
+
+        channel = self._channel
+        if channel is not None and channel.nodes > 1:
+            stacks = await channel.gather_stacks(taken)
+        else:
+            node = self._group.group_rank or 0
+            host = channel.host if channel is not None else socket.gethostname()
+            stacks = JobStacks(tuple(RankStack(r, node, host, pid, t) for r, pid, t in own))
+        ranks = [
+            dataclasses.replace(activity, rank=workers[activity.rank].global_rank)
+            for activity in stall.ranks
+        ]
+        text = dataclasses.replace(stall, ranks=ranks).head() + stacks.format()
+        return self._keep_report("stall", text)
+
+    def _keep_report(self, kind: str, report: str) -> str:
+        """``report``, also written to the log root as ``{kind}-<time>.txt`` (it says where)."""
+        if self._log_root is None:
+            return report
+        name = time.strftime(f"{kind}-%Y%m%d-%H%M%S.txt")
+        try:
+            (self._log_root / name).write_text(report)
+        except OSError as e:
+            return report + f"(not written to {self._log_root}: {e})\n"
+        return report + f"(also in {self._log_root / name})\n"
 
     async def job_stacks(self) -> JobStacks:
         """Every running rank's stack on every node of the job, grouped (`JobStacks`).
@@ -604,6 +641,7 @@ class LocalElasticAgent:
             stop_leader_first=self._config.stop_leader_first,
         )
         self._output.new_attempt()
+        ctx.tell_stalls_with(self._tell_stall)
         ctx.share_output(
             self._output,
             {w.local_rank: w.global_rank for w in group.workers},
