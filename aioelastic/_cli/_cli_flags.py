@@ -405,7 +405,8 @@ FLAGS: tuple[Flag, ...] = (
         cli_type(values.positive_duration, "SECONDS"),
         None,
         "Stop the workers as stalled when none wrote output or sent a timer request for "
-        "this many seconds, with every rank's stack in the report (off by default).",
+        "this many seconds, with every rank's stack in the report; before they stop, the "
+        "stacks of every rank of every node are printed, grouped (off by default).",
         ours=True,
         metavar="SECONDS",
     ),
