@@ -512,6 +512,28 @@ def test_sigterm_stops_workers_and_their_children_within_the_shutdown_timeout() 
     assert "stopped by SIGTERM" in run.stderr
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("flags", "saved"), [(["--stop-leader-first"], "saved step 0"), ([], "helper gone")]
+)
+def test_stop_leader_first_lets_a_trainer_checkpoint_with_its_helper_on_sigterm(
+    tmp_path: Path, flags: list[str], saved: str
+) -> None:
+    """The trainer saves on SIGTERM through its helper child: with the flag the helper is
+    still there to answer (and stopped right after); without it, as under torchrun, the
+    helper got the SIGTERM too."""
+    with launcher(*flags, SCRIPT, "checkpoint", "--out", str(tmp_path)) as run:
+        (ready,) = run.wait_for(READY, 1)
+        pids = [int(ready[2]), int(ready[3])]
+        started = time.monotonic()
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.finish() == 128 + signal.SIGTERM, run.stderr
+        took = time.monotonic() - started
+    assert (tmp_path / "rank0").read_text() == saved
+    assert wait_gone(pids, 0) == []
+    assert took < 20, took  # far from the 30 s grace period: nothing waited it out
+
+
 @pytest.mark.timeout(60)
 def test_a_worker_child_that_left_its_process_group_is_stopped_too() -> None:
     with launcher("--nproc-per-node", "2", SCRIPT, "hold", "--escape") as run:

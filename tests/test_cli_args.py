@@ -126,6 +126,7 @@ def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) 
     assert cmd.args == ("-u", "train.py", "--lr", "0.1")
     assert c.restart_backoff is None
     assert c.no_retry_exit_codes == frozenset()
+    assert c.stop_leader_first is False
     assert cmd.warnings == ()
 
 
@@ -144,6 +145,7 @@ def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) 
         (["--redirects", "1"], "redirects", Std.OUT),
         (["--local_ranks_filter", "0"], "local_ranks_filter", frozenset({0})),
         (["--signals_to_handle", "SIGUSR1,SIGTERM"], "signals_to_handle", "SIGUSR1,SIGTERM"),
+        (["--stop-leader-first"], "stop_leader_first", True),
     ],
 )
 def test_dashed_underscored_and_short_spellings(argv: list[str], dest: str, value: Any) -> None:
@@ -177,6 +179,20 @@ def test_pet_environment_sets_defaults_and_the_command_line_wins() -> None:
     assert (c.nproc_per_node, c.max_restarts) == (2, 1)
 
 
+def test_stop_leader_first_reaches_the_agent_and_takes_only_a_bool() -> None:
+    from aioelastic import LocalElasticAgent, WorkerSpec
+
+    assert config([], {"PET_STOP_LEADER_FIRST": "1"})._derived().agent.stop_leader_first
+    assert not config([], {"PET_STOP_LEADER_FIRST": "0"}).stop_leader_first
+    spec = WorkerSpec(local_world_size=1, entrypoint="/bin/true")
+    for bad in ("yes", 1, None):
+        message = f"stop_leader_first: {bad!r} ({type(bad).__name__}) is not True or False"
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+            LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, stop_leader_first=bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+            LocalElasticAgent(spec, stop_leader_first=bad)  # type: ignore[arg-type]
+
+
 def test_switch_from_environment_accepts_zero() -> None:
     cmd = command([], {"PET_MODULE": "0", "PET_STANDALONE": "false"})
     assert "-m" not in cmd.args
@@ -189,6 +205,7 @@ def test_switch_from_environment_accepts_zero() -> None:
         ({"PET_MAX_RESTARTS": "many"}, "PET_MAX_RESTARTS='many'"),
         ({"PET_START_METHOD": "thread"}, "PET_START_METHOD='thread'"),
         ({"PET_NO_PYTHON": "maybe"}, "PET_NO_PYTHON='maybe'"),
+        ({"PET_STOP_LEADER_FIRST": "maybe"}, "PET_STOP_LEADER_FIRST='maybe'"),
     ],
 )
 def test_bad_pet_value_names_the_variable(

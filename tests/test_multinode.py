@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -56,8 +56,17 @@ class Job:
         self.run_id = uuid.uuid4().hex[:8]
         self.launchers: list[Launcher] = []
 
-    def start(self, *flags: str, nnodes: str | None = None, last_call: bool = True) -> None:
-        """Start the launchers; ``last_call=False`` keeps torch's last call (30 s)."""
+    def start(
+        self,
+        *flags: str,
+        nnodes: str | None = None,
+        last_call: bool = True,
+        node_flags: Mapping[int, Sequence[str]] | None = None,
+    ) -> None:
+        """Start the launchers; ``last_call=False`` keeps torch's last call (30 s).
+
+        ``node_flags``: flags given to one node's launcher only, by node.
+        """
         for node in range(self.nodes):
             conf = f"join_timeout=60,is_host={int(node == 0)}"
             if last_call:
@@ -74,6 +83,7 @@ class Job:
                         f"--local-addr=127.0.0.{node + 1}",
                         "--monitor-interval=0.1",
                         *flags,
+                        *(node_flags or {}).get(node, ()),
                         JOB,
                         self.mode,
                         str(self.tmp_path),
@@ -293,6 +303,68 @@ def test_kill_urg_on_any_launcher_prints_every_ranks_stack_grouped(tmp_path: Pat
     written = list((tmp_path / "logs").glob("*/stacks-*.txt"))
     assert len(written) == 1
     assert written[0].read_text().startswith(head[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stall_on_one_node_reports_every_ranks_stack_across_the_job(tmp_path: Path) -> None:
+    """Every rank goes silent; node 1 alone has a stall timeout. Before its workers are
+    stopped it prints (and writes) one report: its ranks' last output, then the stacks of
+    every rank of every node, grouped, the odd one out (rank 4, on node 2) first."""
+    with job(tmp_path, 3, TEST_ODD_RANK="4") as running:
+        running.start(
+            "--max-restarts=0",
+            f"--log-dir={tmp_path / 'logs'}",
+            node_flags={1: ["--stall-timeout=3"]},
+        )
+        pids = running.ready()
+        stalled = running.launchers[1]
+        stalled.wait_for_stderr("(also in ", timeout=60)
+        ends = running.finish()
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    report = stalled.stderr[stalled.stderr.index("stalled: no worker wrote output") :]
+    lines = report.splitlines()
+    assert lines[0].endswith("(stall timeout 3s)")
+    for rank in (2, 3):  # node 1's own, by global rank
+        assert lines[rank - 1].startswith(f"  rank {rank}: last output "), lines[:3]
+        assert f"'ready rank={rank} restart=0 pid={pids[rank]}'" in lines[rank - 1]
+    assert lines[3] == "stacks of 6 ranks on 3 nodes, asked by node 1 (127.0.0.2)"
+    assert lines[4].startswith(f"rank 4 (node 2 127.0.0.3 pid {pids[4]}): wait <- ")
+    assert "stuck_elsewhere multinode_job.py:" in lines[4]
+    rest = next(line for line in lines if line.startswith("ranks "))
+    assert rest.startswith("ranks 0-3,5 (nodes 0,1,2): wait <- wait ")
+    for rank in (0, 1, 2, 3, 5):
+        host = f"127.0.0.{rank // 2 + 1}"
+        assert f"  rank {rank}: node {rank // 2} {host} pid {pids[rank]}" in report
+    assert "no answer" not in report
+    written = list((tmp_path / "logs").glob("*/stall-*.txt"))
+    assert len(written) == 1
+    assert written[0].read_text().startswith(lines[0])
+    # The other nodes did not stall: they were stopped because node 1 ended the attempt.
+    for other in (0, 2):
+        assert (
+            "stalled: no worker wrote output"
+            not in running.launchers[other].stderr.split("Root Cause")[0]
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_nodes_that_stall_together_still_give_a_report_of_every_rank(tmp_path: Path) -> None:
+    """Every node stalls at once, each asking the others for their stacks while they ask
+    it: each keeps answering while it waits, so the first to finish has every rank (a node
+    that waited for its answers without beating answered nobody: three reports of one node
+    each, after 10 s)."""
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0", "--stall-timeout=3")
+        running.ready()
+        ends = running.finish()
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    stderr = [launcher.stderr for launcher in running.launchers]
+    full = [err for err in stderr if "stacks of 6 ranks on 3 nodes" in err]
+    assert full, stderr
+    assert "ranks 0-5 (nodes 0,1,2): wait <- wait " in full[0]
+    assert not any("no answer" in err for err in stderr), stderr
 
 
 @pytest.mark.slow

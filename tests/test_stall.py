@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -12,9 +13,10 @@ import anyio
 import pytest
 
 import aioelastic
+from aioelastic._core.hangs import _guard as _hangs
 from aioelastic._core.hangs._stall import RankActivity, StallReport, wait_for_stall
 from tests.children import hangs
-from tests.waits import ReadyFifo
+from tests.waits import ReadyFifo, is_running
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
@@ -54,6 +56,54 @@ async def test_stalled_group_fails_every_rank_with_its_last_output_and_stack(
         assert f"in {name}" in message
         log = (tmp_path / "logs" / str(rank) / "stderr.log").read_text()
         assert log.startswith("[aioelastic] stalled: ")
+
+
+@pytest.mark.parametrize("teller", ["tells", "raises", "hangs"])
+async def test_a_stall_is_told_by_the_groups_teller_before_the_group_is_stopped(
+    tmp_path: Path,
+    teller: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent tells a stall with every node's stacks (tests/test_multinode.py); a teller
+    that fails or takes too long gives way to the group's own report, and the group is
+    stopped all the same."""
+    monkeypatch.setattr(_hangs, "STALL_TELL_TIMEOUT", 1.0)
+    ready = ReadyFifo(tmp_path)
+    alive_when_told: list[bool] = []
+
+    async def tell(report: StallReport) -> str:
+        alive_when_told.append(all(is_running(pid) for pid in ctx.pids().values()))
+        if teller == "raises":
+            raise OSError("the store is gone")
+        if teller == "hangs":
+            await anyio.sleep_forever()
+        return f"told: {report.reason()} with {sorted(report.stacks)}\n"
+
+    try:
+        ctx = aioelastic.start_processes(
+            "told", hangs.stuck, {0: (str(ready.path), "event")}, {0: {}}, stall_timeout=1.0
+        )
+        ctx.tell_stalls_with(tell)
+        async with ctx:
+            await ready.lines(1, timeout=60)
+            with anyio.fail_after(1.0 + 20.0):
+                result = await ctx.wait()
+    finally:
+        ready.close()
+    assert result is not None
+    assert list(result.failures) == [0]
+    assert result.failures[0].message.startswith("stalled: ")
+    assert alive_when_told == [True]
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    if teller == "tells":
+        assert "aioelastic: told: stalled: no worker wrote output" in logged
+        assert "with [0]" in logged
+    else:
+        assert "--- stack of local rank 0 ---" in logged
+        assert "in stuck_in_event_wait" in logged
+    if teller == "raises":
+        assert "could not tell the stall in full: OSError('the store is gone')" in logged
 
 
 async def test_chatty_worker_is_never_stalled(tmp_path: Path) -> None:
@@ -141,13 +191,14 @@ async def test_wait_for_stall_moves_with_activity_and_rejects_nonsense() -> None
 
 
 @pytest.mark.asyncio
-async def test_cli_stall_timeout_reports_every_rank_with_its_stack() -> None:
+async def test_cli_stall_timeout_reports_every_rank_with_its_stack(tmp_path: Path) -> None:
     barrier = str(Path(__file__).parent / "children" / "barrier.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     argv = [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2"]
+    logs = tmp_path / "logs"
     begin = time.monotonic()
     out = await anyio.run_process(
-        [*argv, "--stall-timeout", "2", "--max-restarts", "0", barrier],
+        [*argv, "--stall-timeout", "2", "--max-restarts", "0", f"--log-dir={logs}", barrier],
         env=env,
         check=False,
     )
@@ -162,6 +213,14 @@ async def test_cli_stall_timeout_reports_every_rank_with_its_stack() -> None:
     assert "ago: 'rank 1 step 1'" in report
     assert "in other_rank_waits_in_sleep" in report
     assert "in wait_for_peers_in_barrier" in report
+    # Printed before the workers were stopped, and kept: the job's report, here one node's
+    # ranks, grouped by where they are (as across nodes, docs/hangs.md).
+    told = stderr[stderr.index("stalled: no worker wrote") : stderr.index("=" * 60)]
+    assert "\nstacks of 2 ranks on 1 node\n" in told
+    assert re.search(r"\nrank 0 \(node 0 \S+ pid \d+\): other_rank_waits_in_sleep <- ", told)
+    assert re.search(r"\nrank 1 \(node 0 \S+ pid \d+\): wait <- wait threading.py:", told)
+    (written,) = logs.glob("*/stall-*.txt")
+    assert told.startswith(written.read_text().rstrip("\n"))
 
 
 async def test_cli_rejects_a_bad_stall_timeout() -> None:

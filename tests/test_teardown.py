@@ -197,3 +197,118 @@ async def test_ctrl_c_while_close_waits_out_its_grace_period_still_ends_every_wo
     left = json.loads(err.decode().strip().splitlines()[-1])
     assert left == {"children": [], "fds": []}
     assert not is_running(worker)
+
+
+# -- stop_leader_first -------------------------------------------------------------------
+
+_CLI_CHILD = str(Path(__file__).resolve().parent / "children" / "cli.py")
+
+
+async def _checkpointing_group(
+    tmp_path: Path, *, stop_leader_first: bool, grace: float, helper_ignores_term: bool = False
+) -> tuple[str, float, list[int]]:
+    """Start one checkpointing worker (tests/children/cli.py), close its group, and say
+    what its checkpoint came to, how long ``close()`` took, and the worker's and helper's pids.
+    """
+    import time
+
+    fifo = ReadyFifo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    argv = ("-u", _CLI_CHILD, "checkpoint", "--out", str(out), "--ready", str(fifo.path))
+    if helper_ignores_term:
+        argv += ("--helper-ignores-term",)
+    try:
+        async with aioelastic.start_processes(
+            "trainer",
+            sys.executable,
+            {0: argv},
+            {0: {}},
+            grace_period=grace,
+            stop_leader_first=stop_leader_first,
+        ) as ctx:
+            (line,) = await fifo.lines(1, timeout=60)
+            pids = [int(word.split("=")[1]) for word in line.split()[2:]]
+            started = time.monotonic()
+            await ctx.close()
+            took = time.monotonic() - started
+            result = await ctx.wait()
+    finally:
+        fifo.close()
+    assert result is not None
+    assert not result.failures  # it exited 0 after the stop signal: stopped, not failed
+    return (out / "rank0").read_text(), took, pids
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_stop_leader_first_lets_the_worker_checkpoint_with_its_helper(
+    tmp_path: Path,
+) -> None:
+    """The worker alone gets SIGTERM; its helper answers; the group is signalled after."""
+    saved, took, pids = await _checkpointing_group(tmp_path, stop_leader_first=True, grace=30)
+    assert saved == "saved step 0"
+    # The helper outlives its stdin (only a signal ends it): the group got SIGTERM when
+    # the worker exited, long before the grace period would have ended.
+    assert took < 10, took
+    assert not any(is_running(pid) for pid in pids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_by_default_the_whole_group_is_signalled_and_the_helper_is_gone(
+    tmp_path: Path,
+) -> None:
+    """torchrun's behaviour, unchanged: the helper gets SIGTERM with the worker."""
+    saved, took, pids = await _checkpointing_group(tmp_path, stop_leader_first=False, grace=30)
+    assert saved == "helper gone"
+    assert took < 10, took
+    assert not any(is_running(pid) for pid in pids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_stop_leader_first_kills_a_helper_that_ignores_the_signal_after_the_grace(
+    tmp_path: Path,
+) -> None:
+    grace = 1.0
+    saved, took, pids = await _checkpointing_group(
+        tmp_path, stop_leader_first=True, grace=grace, helper_ignores_term=True
+    )
+    assert saved == "saved step 0"
+    assert grace <= took < grace + 10, took  # SIGKILLed once the grace period ended
+    assert not any(is_running(pid) for pid in pids)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_stop_leader_first_still_escalates_on_a_second_close(tmp_path: Path) -> None:
+    """A worker and a child that both ignore SIGTERM: the second close() SIGKILLs both."""
+    import time
+
+    fifo = ReadyFifo(tmp_path)
+    try:
+        async with aioelastic.start_processes(
+            "stubborn",
+            sys.executable,
+            {0: ("-u", _CLI_CHILD, "hold", "--ignore-signals", "--ready", str(fifo.path))},
+            {0: {}},
+            grace_period=300,
+            stop_leader_first=True,
+        ) as ctx:
+            (line,) = await fifo.lines(1, timeout=60)
+            pids = [int(word.split("=")[1]) for word in line.split()[2:]]
+            started = time.monotonic()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(ctx.close)
+                tg.start_soon(ctx.close)
+            took = time.monotonic() - started
+    finally:
+        fifo.close()
+    assert took < 10, took
+    assert not any(is_running(pid) for pid in pids)
+
+
+def test_stop_leader_first_takes_only_a_bool() -> None:
+    with pytest.raises(TypeError, match=r"^stop_leader_first: 'yes' \(str\) is not True or False$"):
+        aioelastic.start_processes("w", "/bin/true", {0: ()}, {0: {}}, stop_leader_first="yes")

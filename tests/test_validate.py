@@ -57,6 +57,8 @@ def call(**overrides: Any) -> aioelastic.PContext:
         ({"forkserver_preload": ("no_such_module_aioelastic",)}, ValueError, "not installed"),
         ({"local_ranks_filter": {0, 7}}, ValueError, "names local rank 7"),
         ({"log_line_prefix": "${nope}"}, ValueError, r"may use \$\{role_name\}"),
+        ({"stop_leader_first": "yes"}, TypeError, r"stop_leader_first: 'yes' \(str\) is not True"),
+        ({"stop_leader_first": None}, TypeError, "stop_leader_first: None .* is not True or False"),
     ],
 )
 def test_bad_input_is_refused(overrides: dict[str, Any], error: type, match: str) -> None:

@@ -405,9 +405,21 @@ FLAGS: tuple[Flag, ...] = (
         cli_type(values.positive_duration, "SECONDS"),
         None,
         "Stop the workers as stalled when none wrote output or sent a timer request for "
-        "this many seconds, with every rank's stack in the report (off by default).",
+        "this many seconds, with every rank's stack in the report; before they stop, the "
+        "stacks of every rank of every node are printed, grouped (off by default).",
         ours=True,
         metavar="SECONDS",
+    ),
+    Flag(
+        ("--stop-leader-first",),
+        None,
+        False,
+        "Stop each worker before its helpers: the stop signal (a failure, a handled signal, "
+        "a restart) goes to the worker alone, so that its children (data-loader processes) "
+        "keep running while it checkpoints; once it exited the rest of its process group "
+        "gets the signal, and whatever is left after --shutdown-timeout is SIGKILLed. "
+        "Without it the whole group gets the signal at once, as torchrun does.",
+        ours=True,
     ),
     Flag(
         ("--metrics-port",),

@@ -249,6 +249,7 @@ def config_from_args(
             stall_timeout=args.stall_timeout,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            stop_leader_first=args.stop_leader_first,
         )
     except (ValueError, TypeError) as e:
         # The endpoint made of --master-addr:--master-port is told as theirs.

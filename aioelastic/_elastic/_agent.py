@@ -30,6 +30,7 @@ in `._agent_types`; each worker's environment is built by `._agent_env`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -44,6 +45,7 @@ import anyio
 
 from .._core.group._pcontext import PContext, start_processes
 from .._core.hangs._guard import stack_requests
+from .._core.hangs._stall import StallReport
 from .._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from .._core.process import _log_root as log_root
 from .._core.process._backend import require_asyncio
@@ -141,6 +143,11 @@ class LocalElasticAgent:
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
+        stop_leader_first: whenever the agent stops its workers (a failure, a signal, a
+            restart), the stop signal goes to each worker alone and to the rest of its
+            process group once the worker exited, so that a trainer that checkpoints on
+            SIGTERM keeps its data-loader processes while it saves (`start_processes`);
+            False (the default, as torchrun): the whole group at once.
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -171,6 +178,7 @@ class LocalElasticAgent:
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        stop_leader_first: bool = False,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
     ) -> None:
@@ -194,6 +202,7 @@ class LocalElasticAgent:
             stall_timeout=stall_timeout,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            stop_leader_first=stop_leader_first,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -329,15 +338,50 @@ class LocalElasticAgent:
         channel, ctx = self._channel, self._ctx
         if channel is None or channel.nodes == 1:
             return await ctx.dump_stacks() if ctx is not None else {}
-        report = (await self.job_stacks()).format()
-        if self._log_root is not None:
-            name = time.strftime("stacks-%Y%m%d-%H%M%S.txt")
-            try:
-                (self._log_root / name).write_text(report)
-                report += f"(also in {self._log_root / name})\n"
-            except OSError as e:
-                report += f"(not written to {self._log_root}: {e})\n"
-        return report
+        return self._keep_report("stacks", (await self.job_stacks()).format())
+
+    async def _tell_stall(self, stall: StallReport) -> str:
+        """This node's workers stalled: the report with every rank's stack across the job.
+
+        The stacks this node took when it found the stall, and those of every other node,
+        asked for through the store as for ``kill -URG`` (a node that does not answer
+        within `STACKS_TIMEOUT` seconds is named); on one node, its own ranks grouped the
+        same way. Ranks are global. Also written to the log directory (``stall-<time>.txt``).
+        """
+        workers = self._group.workers
+        pids = self._ctx.pids() if self._ctx is not None else {}
+        own = [
+            (workers[lr].global_rank, pids.get(lr, -1), text)
+            for lr, text in sorted(stall.stacks.items())
+        ]
+
+        async def taken() -> list[tuple[int, int, str]]:
+            return own
+
+        channel = self._channel
+        if channel is not None and channel.nodes > 1:
+            stacks = await channel.gather_stacks(taken)
+        else:
+            node = self._group.group_rank or 0
+            host = channel.host if channel is not None else socket.gethostname()
+            stacks = JobStacks(tuple(RankStack(r, node, host, pid, t) for r, pid, t in own))
+        ranks = [
+            dataclasses.replace(activity, rank=workers[activity.rank].global_rank)
+            for activity in stall.ranks
+        ]
+        text = dataclasses.replace(stall, ranks=ranks).head() + stacks.format()
+        return self._keep_report("stall", text)
+
+    def _keep_report(self, kind: str, report: str) -> str:
+        """``report``, also written to the log root as ``{kind}-<time>.txt`` (it says where)."""
+        if self._log_root is None:
+            return report
+        name = time.strftime(f"{kind}-%Y%m%d-%H%M%S.txt")
+        try:
+            (self._log_root / name).write_text(report)
+        except OSError as e:
+            return report + f"(not written to {self._log_root}: {e})\n"
+        return report + f"(also in {self._log_root / name})\n"
 
     async def job_stacks(self) -> JobStacks:
         """Every running rank's stack on every node of the job, grouped (`JobStacks`).
@@ -594,8 +638,10 @@ class LocalElasticAgent:
             local_ranks_filter=self._shown_ranks(),
             log_line_prefix=self._config.log_line_prefix_template,
             stall_timeout=self._config.stall_timeout,
+            stop_leader_first=self._config.stop_leader_first,
         )
         self._output.new_attempt()
+        ctx.tell_stalls_with(self._tell_stall)
         ctx.share_output(
             self._output,
             {w.local_rank: w.global_rank for w in group.workers},

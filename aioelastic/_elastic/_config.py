@@ -51,6 +51,8 @@ class AgentConfig:
         metrics_port: where Prometheus metrics and liveness are served; None: not served.
         metrics_host: the address the metrics and health ports bind.
         health_port: ``TORCHELASTIC_HEALTH_CHECK_PORT``, served for liveness; None: unset.
+        stop_leader_first: the stop signal goes to each worker alone, and to the rest of
+            its process group once it exited (`start_processes`); False: to the group.
     """
 
     start_method: str
@@ -70,6 +72,7 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
+    stop_leader_first: bool = False
 
     def __post_init__(self) -> None:
         # log_dir is checked here rather than in build: elastic_launch sets it per run with
@@ -101,6 +104,7 @@ class AgentConfig:
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        stop_leader_first: bool = False,
         environ: Mapping[str, str] | None = None,
     ) -> AgentConfig:
         """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
@@ -160,4 +164,5 @@ class AgentConfig:
             else values.field("metrics_port", values.port, metrics_port),
             metrics_host=values.field("metrics_host", node_values.host, metrics_host),
             health_port=health_port_from_env(env),
+            stop_leader_first=values.field("stop_leader_first", values.boolean, stop_leader_first),
         )

@@ -67,6 +67,7 @@ _DERIVED_FROM = (
     "stall_timeout",
     "metrics_port",
     "metrics_host",
+    "stop_leader_first",
 )
 
 
@@ -174,6 +175,8 @@ class LaunchConfig:
         no_retry_exit_codes: exit codes that fail the run at once.
         stall_timeout: stop an attempt whose workers were all silent this long (seconds).
         metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
+        stop_leader_first: the stop signal goes to each worker alone first, to the rest
+            of its process group once it exited (torch signals the whole group).
     """
 
     min_nodes: int
@@ -211,6 +214,7 @@ class LaunchConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     ranks_filter: Collection[int] | str | None = None
+    stop_leader_first: bool = False
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -325,6 +329,7 @@ class LaunchConfig:
             stall_timeout=self.stall_timeout,
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
+            stop_leader_first=self.stop_leader_first,
         )
         return _Derived(self._inputs(), agent, store)
 

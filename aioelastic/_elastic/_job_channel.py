@@ -48,6 +48,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -377,14 +378,26 @@ class JobChannel:
             own = []
         await self._call(lambda: self._answer(request, own), self.store_lost_after)
 
+        done = self._key(f"stacks/{request}/done")
+
+        def answered_within(seconds: float) -> bool:
+            try:
+                self._store.wait([done], datetime.timedelta(seconds=seconds))
+            except Exception:
+                return False  # not yet (or the store failed: the answers tell below)
+            return True
+
+        # A beat's worth of waiting at a time: this node's beats run on the same thread in
+        # between, so it stays alive to its watcher and answers the requests of nodes that
+        # ask at the same time (nodes that stall together each ask every other).
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            wait = max(min(self.beat, left), 0.01)
+            if await self._call(partial(answered_within, wait), wait + self.store_lost_after):
+                break
+
         def collect() -> JobStacks:
             store = self._store
-            try:
-                store.wait(
-                    [self._key(f"stacks/{request}/done")], datetime.timedelta(seconds=timeout)
-                )
-            except Exception:
-                pass  # some node did not answer in time: reported as missing below
             stacks: list[RankStack] = []
             missing: list[str] = []
             for node in range(self.nodes):
@@ -401,7 +414,7 @@ class JobChannel:
                 ]
             return JobStacks(tuple(stacks), tuple(missing), f"node {self.node} ({self.host})")
 
-        return await self._call(collect, timeout + self.store_lost_after)
+        return await self._call(collect, self.store_lost_after)
 
     def _watch_next(self) -> None:
         self._watched = (self._watched + 1) % self.nodes

@@ -99,7 +99,7 @@ class JobStacks:
     def format(self) -> str:
         """The report (see the module documentation)."""
         nodes = {stack.node for stack in self.stacks}
-        head = f"stacks of {len(self.stacks)} ranks on {len(nodes)} nodes"
+        head = f"stacks of {_count(len(self.stacks), 'rank')} on {_count(len(nodes), 'node')}"
         lines = [head + (f", asked by {self.asked_by}" if self.asked_by else "")]
         lines += [f"{missing}: no answer" for missing in self.missing]
         for group in self.groups():
@@ -114,3 +114,8 @@ class JobStacks:
                 lines += [f"  rank {s.rank}: node {s.node} {s.host} pid {s.pid}" for s in group]
             lines += ["    " + line for line in first.text.rstrip("\n").splitlines()]
         return "\n".join(lines) + "\n"
+
+
+def _count(number: int, noun: str) -> str:
+    """``"1 rank"``, ``"6 ranks"``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"

@@ -24,6 +24,19 @@ _SLEEPER = (
     "time.sleep(3600)"
 )
 
+# A trainer's helper (a data-loader process): answers "saved <request>" to each line on its
+# stdin, then, once that closes, waits to be signalled (only a signal ends it).
+_HELPER = (
+    "import signal, sys\n"
+    "if sys.argv[1] == 'ignore':\n"
+    "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    "print('helper ready', flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    print('saved ' + line.strip(), flush=True)\n"
+    "while True:\n"
+    "    signal.pause()\n"
+)
+
 
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
@@ -114,7 +127,7 @@ def cmd_hold(args: argparse.Namespace) -> None:
 
     With ``--ignore-signals`` the worker ignores them too, so only SIGKILL stops it. With
     ``--escape`` the child leaves the worker's process group (a new session), out of reach
-    of signals sent to the group.
+    of signals sent to the group. The ``ready`` line also goes to the FIFO ``--ready``.
     """
     if args.ignore_signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -124,8 +137,53 @@ def cmd_hold(args: argparse.Namespace) -> None:
     )
     assert child.stdout is not None
     child.stdout.readline()  # its handlers are in place: a signal from now on is ignored
-    print(f"ready rank={_rank()} pid={os.getpid()} child={child.pid}", flush=True)
+    _ready(args, f"ready rank={_rank()} pid={os.getpid()} child={child.pid}")
     _wait_forever()
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> None:
+    """Checkpoint on SIGTERM with a helper's help, as a trainer with data-loader workers does.
+
+    Starts a helper child (in the worker's process group), prints ``ready`` with both pids
+    (also to the FIFO ``--ready``, if given) and waits. On SIGTERM it asks the helper to
+    save, waits for the answer, writes it (``saved step <rank>``, or ``helper gone`` when
+    the helper was stopped with it) to ``<--out>/rank<rank>`` and exits 0. With
+    ``--helper-ignores-term`` the helper ignores SIGTERM.
+    """
+    helper = subprocess.Popen(
+        [sys.executable, "-c", _HELPER, "ignore" if args.helper_ignores_term else "default"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert helper.stdin is not None
+    assert helper.stdout is not None
+    helper.stdout.readline()  # its handlers are in place
+
+    def save(signum: int, frame: object) -> None:
+        assert helper.stdin is not None
+        assert helper.stdout is not None
+        try:
+            helper.stdin.write(f"step {_rank()}\n")
+            helper.stdin.flush()
+            answer = helper.stdout.readline().strip() or "helper gone"
+        except BrokenPipeError:
+            answer = "helper gone"
+        with open(os.path.join(args.out, f"rank{_rank()}"), "w") as f:
+            f.write(answer)
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    _ready(args, f"ready rank={_rank()} pid={os.getpid()} child={helper.pid}")
+    _wait_forever()
+
+
+def _ready(args: argparse.Namespace, line: str) -> None:
+    """Say ``line`` on stdout, and to the FIFO ``--ready`` when one is given."""
+    print(line, flush=True)
+    if args.ready:
+        with open(args.ready, "w") as fifo:
+            fifo.write(line + "\n")
 
 
 def cmd_catch(args: argparse.Namespace) -> None:
@@ -178,6 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     hold = sub.add_parser("hold")
     hold.add_argument("--ignore-signals", action="store_true")
     hold.add_argument("--escape", action="store_true")
+    hold.add_argument("--ready", default="")
+    checkpoint = sub.add_parser("checkpoint")
+    checkpoint.add_argument("--out", required=True)
+    checkpoint.add_argument("--ready", default="")
+    checkpoint.add_argument("--helper-ignores-term", action="store_true")
     sub.add_parser("catch")
     lines = sub.add_parser("lines")
     lines.add_argument("--count", type=int, default=3)
@@ -188,6 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         "env": cmd_env,
         "ddp": cmd_ddp,
         "catch": cmd_catch,
+        "checkpoint": cmd_checkpoint,
         "fail": cmd_fail,
         "flaky": cmd_flaky,
         "hold": cmd_hold,

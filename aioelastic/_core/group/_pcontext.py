@@ -30,6 +30,7 @@ import anyio.abc
 import anyio.lowlevel
 
 from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
+from ..hangs._stall import StallTeller
 from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..process import _platform
 from ..process._backend import callback_context, require_asyncio
@@ -91,6 +92,8 @@ class PContext:
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
         self._hang_texts: dict[int, str] = {}
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
+        #: Tells a stall in place of the group's own report (see tell_stalls_with).
+        self._stall_teller: StallTeller | None = None
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
         self._phase = Phase.NEW
@@ -163,6 +166,16 @@ class PContext:
         before the group is entered.
         """
         self._output = OutputTarget(hub, ranks, attempt, owned=False)
+
+    def tell_stalls_with(self, teller: StallTeller) -> None:
+        """Have ``teller`` make the text printed when the group stalls (``stall_timeout``).
+
+        An elastic agent tells the stacks of every rank of the job this way, not only of
+        this group's. ``teller`` is awaited with the group's :class:`StallReport` before
+        the group is stopped, for at most ``STALL_TELL_TIMEOUT`` seconds; past that, or if
+        it raises, the group's own report is printed. Call before the group is entered.
+        """
+        self._stall_teller = teller
 
     def _ranked(self) -> list[WorkerProcess]:
         return sorted(self._workers, key=lambda w: w.local_rank)
@@ -358,6 +371,7 @@ class PContext:
             {w.local_rank: w for w in self._workers},  # every worker has started by now
             self._hang_texts,
             lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+            self._stall_teller,
         )
         self._hang_scope = anyio.CancelScope()
         if self._phase >= Phase.STOPPING:
@@ -418,7 +432,9 @@ class PContext:
 
         Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
         ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
-        group that still has a member, and reaps. A second ``close()`` while one is in
+        group that still has a member, and reaps. With ``stop_leader_first`` (see
+        :func:`start_processes`) ``death_sig`` goes to each worker alone, and to the rest
+        of its group once the worker exited. A second ``close()`` while one is in
         progress (a second Ctrl-C, say) escalates: the rest of the grace period is
         skipped and every group is SIGKILLed at once, whatever its arguments.
         """
@@ -456,7 +472,13 @@ class PContext:
             self._hang_scope.cancel()
         try:
             with anyio.CancelScope(shield=True):
-                await stop_workers(list(self._workers), death_sig, grace_period, self._escalate)
+                await stop_workers(
+                    list(self._workers),
+                    death_sig,
+                    grace_period,
+                    self._escalate,
+                    leader_first=self._spec.stop_leader_first,
+                )
                 # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
                 # point sees every failure, not a half-reported group.
                 with anyio.move_on_after(settle.REPORT_TIMEOUT + 1):
@@ -537,6 +559,7 @@ def start_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    stop_leader_first: bool = False,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -559,6 +582,13 @@ def start_processes(
             which the group is reported stalled, with every stack, and stopped (off when
             ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
             torch's file timer. See docs/hangs.md.
+        stop_leader_first: Stop each worker before its helpers: the stop signal goes to
+            the worker alone, so that the children it needs to shut down cleanly (the
+            data-loader processes a trainer reads from while it saves a checkpoint on
+            SIGTERM) keep running; once the worker exited, the rest of its process group
+            gets the same signal, and whatever is left when the grace period ends is
+            SIGKILLed. ``False`` (the default, as torchrun): the whole group gets it at
+            once. See docs/reliability.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -576,6 +606,7 @@ def start_processes(
         forkserver_preload=forkserver_preload,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
+        stop_leader_first=stop_leader_first,
     )
     return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
@@ -595,6 +626,7 @@ async def run_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    stop_leader_first: bool = False,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -611,6 +643,7 @@ async def run_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
         stall_timeout=stall_timeout,
+        stop_leader_first=stop_leader_first,
     )
     async with ctx:
         result = await ctx.wait()

@@ -41,6 +41,8 @@ class GroupSpec:
     forkserver_preload: tuple[str, ...]
     local_ranks_filter: frozenset[int] | None
     log_line_prefix: str | None
+    #: Stop each worker (its process group's leader) before the rest of its group.
+    stop_leader_first: bool = False
 
     @property
     def nprocs(self) -> int:
@@ -67,6 +69,7 @@ def validate(
     forkserver_preload: Collection[str],
     local_ranks_filter: Collection[int] | None,
     log_line_prefix: str | None,
+    stop_leader_first: bool = False,
 ) -> GroupSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
     check_not_importing_main("start_processes()")
@@ -101,6 +104,7 @@ def validate(
             "local_ranks_filter", lambda v: values.rank_filter(v, nprocs), local_ranks_filter
         ),
         log_line_prefix=values.field("log_line_prefix", values.prefix_template, log_line_prefix),
+        stop_leader_first=values.field("stop_leader_first", values.boolean, stop_leader_first),
     )
 
 

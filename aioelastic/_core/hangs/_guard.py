@@ -28,10 +28,15 @@ from ..child._stack_hook import STACK_SIGNAL
 from ..process import _values as values
 from ..worker._process import WorkerProcess
 from ._stacks import DEFAULT_TIMEOUT, StackChannels, py_spy_dump
-from ._stall import RankActivity, StallReport, wait_for_stall
+from ._stall import RankActivity, StallReport, StallTeller, wait_for_stall
 from ._timer_server import ENABLE_ENV, FILE_ENV, Expiry, TimerServer
 
 logger = logging.getLogger("aioelastic")
+
+#: How long a group's :data:`StallTeller` may take to tell a stall (an agent asks every
+#: node for its stacks, bounded at 10 s) before the group's own report is printed instead
+#: and the group stopped: a stall is never left running for want of a report.
+STALL_TELL_TIMEOUT = 20.0
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,9 @@ class HangHooks(Protocol):
 
     def stalled(self, texts: dict[int, str]) -> None:
         """The group stalled: record each rank's text as its failure and stop the group."""
+
+    async def tell_stall(self, report: StallReport) -> str:
+        """The text printed for a stall, before the group is stopped (may raise)."""
 
 
 class HangGuard:
@@ -225,7 +233,15 @@ class HangGuard:
         stacks = await self.dump_stacks(running)
         report = StallReport(timeout, idle, hooks.activity(), stacks)
         self.stalls += 1
-        logger.warning("aioelastic: %s", report.format().rstrip())
+        text = None
+        try:
+            with anyio.move_on_after(STALL_TELL_TIMEOUT):
+                text = await hooks.tell_stall(report)
+        except Exception as exc:
+            logger.warning("aioelastic: could not tell the stall in full: %r", exc)
+        if text is None:
+            text = report.format()
+        logger.warning("aioelastic: %s", text.rstrip())
         by_rank = {a.rank: a for a in report.ranks}
         texts = {}
         for rank in running:
@@ -248,6 +264,8 @@ class WorkerHooks:
         texts: where the hang text of each failed rank goes; the group prepends it to
             that rank's failure message.
         stop_group: starts the group's teardown (after a stall).
+        teller: tells a stall (an agent's, with every node's stacks); ``None``: the
+            report of this group's ranks.
     """
 
     def __init__(
@@ -255,10 +273,12 @@ class WorkerHooks:
         workers: Mapping[int, WorkerProcess],
         texts: dict[int, str],
         stop_group: Callable[[], object],
+        teller: StallTeller | None = None,
     ) -> None:
         self._workers = workers
         self._texts = texts
         self._stop_group = stop_group
+        self._teller = teller
 
     def running(self) -> dict[int, int]:
         return {r: w.pid for r, w in sorted(self._workers.items()) if w.returncode is None}
@@ -289,6 +309,11 @@ class WorkerHooks:
         for rank, text in texts.items():
             self._record(self._workers[rank], text)
         self._stop_group()
+
+    async def tell_stall(self, report: StallReport) -> str:
+        if self._teller is None:
+            return report.format()
+        return await self._teller(report)
 
     def _record(self, worker: WorkerProcess, text: str) -> None:
         self._texts[worker.local_rank] = text

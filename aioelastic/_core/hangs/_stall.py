@@ -3,13 +3,14 @@
 :func:`wait_for_stall` sleeps until the moment the group would have been idle for
 ``timeout`` seconds, then checks whether anything happened meanwhile; each piece of
 activity pushes that moment back. It wakes at deadlines, never on a polling interval.
-What the group was doing when it stalled is a :class:`StallReport`.
+What the group was doing when it stalled is a :class:`StallReport`; how it is told is
+its group's choice (a :data:`StallTeller`: an elastic agent tells every node's stacks).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
@@ -49,14 +50,23 @@ class StallReport:
         ago = self.at - activity.last_output
         return f"rank {activity.rank}: last output {ago:.1f}s ago: {activity.last_text!r}"
 
-    def format(self) -> str:
-        """The whole report: the reason, each rank's last output, then each rank's stack."""
+    def head(self) -> str:
+        """The reason, then each rank's last output: the report without the stacks."""
         lines = [self.reason()]
         lines += [f"  {self.rank_line(a)}" for a in self.ranks]
+        return "\n".join(lines) + "\n"
+
+    def format(self) -> str:
+        """The whole report: the reason, each rank's last output, then each rank's stack."""
+        lines = [self.head().rstrip("\n")]
         for rank, stack in sorted(self.stacks.items()):
             lines.append(f"--- stack of local rank {rank} ---")
             lines.append(stack.rstrip("\n"))
         return "\n".join(lines) + "\n"
+
+
+StallTeller = Callable[[StallReport], Awaitable[str]]
+"""Turns a stall into the text the launcher prints, before the group is stopped."""
 
 
 async def wait_for_stall(timeout: float, last_activity: Callable[[], float]) -> float:

@@ -288,6 +288,18 @@ def signal_group(pgid: int, sig: int) -> bool:
     return True
 
 
+def signal_process(pid: int, sig: int) -> bool:
+    """Send ``sig`` to process ``pid`` alone; ``False`` if it no longer exists.
+
+    For a worker that is not reaped yet (so ``pid`` cannot name another process).
+    """
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def pidfd_open(pid: int) -> int | None:
     """A pidfd for ``pid``, or ``None`` without pidfd support or when it already exited."""
     if not pidfd_supported():

@@ -32,6 +32,7 @@ __all__ = [
     "PORT_DIGITS",
     "PREFIX_FIELDS",
     "START_METHODS",
+    "boolean",
     "duration",
     "field",
     "integer",
@@ -71,6 +72,20 @@ def field(name_: str, parse: Callable[[Any], _T], value: Any) -> _T:
         return parse(value)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{name_}: {e}") from None
+
+
+# -- switches ------------------------------------------------------------------------
+
+
+def boolean(value: object) -> bool:
+    """``True`` or ``False`` (an on/off option of the API; the command line's is a switch).
+
+    Nothing else is taken for one: ``"no"`` and ``"false"`` are true in Python, and a
+    ``1`` or ``None`` is more likely a value meant for another argument.
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"{value!r} ({type(value).__name__}) is not True or False")
+    return value
 
 
 # -- numbers -------------------------------------------------------------------------

@@ -9,6 +9,12 @@ still run (only when every worker exited and a look at ``/proc`` finds their gro
 is there nothing to signal). Leaders are reaped only at the very end: until then their
 pid, and so the process-group id, cannot be recycled, so no signal can reach an
 unrelated process.
+
+With ``leader_first`` the death signal goes to each worker (its group's leader) alone, so
+that a trainer that checkpoints on SIGTERM keeps the helpers it needs for that (data-loader
+processes) while it saves. Once a leader has exited, the rest of its group gets the death
+signal (nothing of it is needed any more), and whatever is left when the grace period ends
+is SIGKILLed, as always.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ async def stop_workers(
     death_sig: int,
     grace_period: float,
     escalate: anyio.Event,
+    *,
+    leader_first: bool = False,
 ) -> None:
     """Stop ``workers`` and everything in their process groups, then reap them.
 
@@ -55,11 +63,17 @@ async def stop_workers(
         death_sig: The first signal (SIGTERM by default).
         grace_period: Seconds to wait for the groups to empty before SIGKILL.
         escalate: Set by a second stop request: skip the rest of the grace period.
+        leader_first: Send ``death_sig`` to each worker alone, and to the rest of its
+            group once it exited (see the module documentation). Without a grace period
+            to give (SIGKILL, ``grace_period`` 0, ``escalate`` set) every group is
+            signalled at once, as without it.
     """
     pending = [w for w in workers if not w.reaped]
     if not pending:
         return
     pgids = {w.pid for w in pending}
+    graceful = death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set()
+    leader_first = leader_first and graceful
     # The usual end of a run: every worker exited by itself. If nothing else is left in
     # their groups either, there is nobody to signal and no grace period to wait out.
     emptied = await _all_gone(pending, pgids)
@@ -67,14 +81,21 @@ async def stop_workers(
         for count, worker in enumerate(pending, 1):
             if worker.returncode is None:
                 worker.signalled = True
-            _platform.signal_group(worker.pid, death_sig)
+            if not leader_first:
+                _platform.signal_group(worker.pid, death_sig)
+            elif worker.returncode is None:
+                _platform.signal_process(worker.pid, death_sig)
             if count % _BATCH == 0:
                 await anyio.lowlevel.cancel_shielded_checkpoint()
 
-    if not emptied and death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set():
+    if not emptied and graceful:
         with anyio.move_on_after(grace_period):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on, escalate, tg.cancel_scope)
+                if leader_first:
+                    # Exited leaders included: their helpers are nobody's to wait for.
+                    for worker in pending:
+                        tg.start_soon(_signal_group_after, worker, death_sig)
                 emptied = await _groups_empty(pending, pgids, children_timeout=None)
                 tg.cancel_scope.cancel()
 
@@ -109,6 +130,17 @@ async def stop_workers(
         await sweep_strays(pgids)
     except OSError as exc:
         logger.warning("aioelastic: sweeping stray children failed: %s", exc)
+
+
+async def _signal_group_after(worker: WorkerProcess, sig: int) -> None:
+    """Send ``sig`` to the rest of ``worker``'s group as soon as the worker has exited.
+
+    Until then its helpers keep running: the worker may need them to finish (a trainer
+    saving its checkpoint reads from its data-loader processes). The worker is not reaped
+    before the end of teardown, so its pid still names its group, and no other.
+    """
+    await worker.exited.wait()
+    _platform.signal_group(worker.pid, sig)
 
 
 async def _all_gone(workers: Sequence[WorkerProcess], pgids: set[int]) -> bool:
