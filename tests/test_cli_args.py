@@ -126,6 +126,7 @@ def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) 
     assert cmd.args == ("-u", "train.py", "--lr", "0.1")
     assert c.restart_backoff is None
     assert c.no_retry_exit_codes == frozenset()
+    assert c.collapse_identical_lines is None
     assert cmd.warnings == ()
 
 
@@ -175,6 +176,17 @@ def test_pet_environment_sets_defaults_and_the_command_line_wins() -> None:
     assert c.tee == Std.ALL
     c = config(["--nproc-per-node", "2", "--max-restarts", "1"], env)
     assert (c.nproc_per_node, c.max_restarts) == (2, 1)
+
+
+def test_collapse_identical_lines_reaches_the_agent_from_the_flag_or_the_environment() -> None:
+    for c in (
+        config(["--collapse-identical-lines", "0.25"]),
+        config([], {"PET_COLLAPSE_IDENTICAL_LINES": "0.25"}),
+    ):
+        assert c.collapse_identical_lines == 0.25
+        assert c._derived().agent.collapse_identical_lines == 0.25
+    # An empty variable is as good as none: every line is shown.
+    assert config([], {"PET_COLLAPSE_IDENTICAL_LINES": ""}).collapse_identical_lines is None
 
 
 def test_switch_from_environment_accepts_zero() -> None:

@@ -31,7 +31,8 @@ import anyio.lowlevel
 
 from . import _launchers, _platform, _preparing as preparing, _settle as settle
 from ._backend import callback_context, require_asyncio
-from ._console import console
+from ._collapse import Collapser
+from ._console import StreamName, console
 from ._exit_watch import ExitOutcome
 from ._failures import ProcessFailure
 from ._hangs import HangConfig, HangGuard, WorkerHooks
@@ -89,6 +90,9 @@ class PContext:
         #: Why a rank was found hung (timer expiry, stall): the head of its failure.
         self._hang_texts: dict[int, str] = {}
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
+        #: Where identical console lines of several ranks are collapsed, per stream (made
+        #: at the start, when asked for).
+        self._collapsers: dict[StreamName, Collapser] = {}
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
         self._phase = Phase.NEW
@@ -230,6 +234,9 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
         assert self._files is not None
+        window = self._spec.collapse_identical_lines
+        if window is not None and self.nprocs > 1:
+            self._collapsers = {n: Collapser(console(n), window) for n in ("stdout", "stderr")}
         starter = GroupStarter(
             self._spec,
             self._files,
@@ -240,6 +247,7 @@ class PContext:
             workers=self._workers,
             on_exit=self._exit_seen,
             run_io=self._run_io,
+            collapsers=self._collapsers,
         )
         await self._method.start(starter)
         if starter.errors:
@@ -484,6 +492,9 @@ class PContext:
             # Closing a worker's pipes and log files is a handful of syscalls; for
             # hundreds of workers, other tasks run in between.
             await anyio.lowlevel.cancel_shielded_checkpoint()
+        # Every stream has ended: the lines still held for their twins go out now.
+        for collapser in self._collapsers.values():
+            collapser.flush()
         if self._output.owned:
             self._output.hub.close()
         # Bounded: a console whose reader stopped reading (a paused terminal, a full
@@ -535,6 +546,7 @@ def start_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    collapse_identical_lines: float | None = None,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -557,6 +569,10 @@ def start_processes(
             which the group is reported stalled, with every stack, and stopped (off when
             ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
             torch's file timer. See docs/hangs.md.
+        collapse_identical_lines: A window in seconds (e.g. ``0.25``): a console line
+            that several ranks write identically within it is printed once, as
+            ``[ranks 0-7]: text``; each rank's lines keep their order, and the log files
+            and ``output()`` still get every copy. Off when ``None``. See docs/logs.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -574,6 +590,7 @@ def start_processes(
         forkserver_preload=forkserver_preload,
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
+        collapse_identical_lines=collapse_identical_lines,
     )
     return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
@@ -593,6 +610,7 @@ async def run_processes(
     local_ranks_filter: Collection[int] | None = None,
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
+    collapse_identical_lines: float | None = None,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -609,6 +627,7 @@ async def run_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
         stall_timeout=stall_timeout,
+        collapse_identical_lines=collapse_identical_lines,
     )
     async with ctx:
         result = await ctx.wait()

@@ -41,6 +41,8 @@ class GroupSpec:
     forkserver_preload: tuple[str, ...]
     local_ranks_filter: frozenset[int] | None
     log_line_prefix: str | None
+    #: The window identical console lines of several ranks are printed once in; None: off.
+    collapse_identical_lines: float | None = None
 
     @property
     def nprocs(self) -> int:
@@ -67,6 +69,7 @@ def validate(
     forkserver_preload: Collection[str],
     local_ranks_filter: Collection[int] | None,
     log_line_prefix: str | None,
+    collapse_identical_lines: float | None = None,
 ) -> GroupSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
     check_not_importing_main("start_processes()")
@@ -101,6 +104,9 @@ def validate(
             "local_ranks_filter", lambda v: values.rank_filter(v, nprocs), local_ranks_filter
         ),
         log_line_prefix=values.field("log_line_prefix", values.prefix_template, log_line_prefix),
+        collapse_identical_lines=values.field(
+            "collapse_identical_lines", values.collapse_window, collapse_identical_lines
+        ),
     )
 
 

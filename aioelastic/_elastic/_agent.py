@@ -119,6 +119,11 @@ class LocalElasticAgent:
         ranks_filter: global ranks whose console output is shown (all when None), across
             nodes: ``"0,8-15"`` or a collection; a filtered rank's failure is still
             reported in full.
+        collapse_identical_lines: a window in seconds (e.g. ``0.25``): a console line
+            that several local ranks write identically within it is printed once, as
+            ``[ranks 0-7]: text`` (the rank numbers the prefix shows); log files and
+            ``output()`` still get every copy. Off when None. Each node collapses its own
+            ranks.
         forkserver_preload: modules the fork server imports once; restarts reuse the warm
             server, so a restart costs a fork instead of a fresh interpreter.
         signals_to_handle: signals that stop the run, as torch names them
@@ -171,6 +176,7 @@ class LocalElasticAgent:
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        collapse_identical_lines: float | None = None,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
     ) -> None:
@@ -194,6 +200,7 @@ class LocalElasticAgent:
             stall_timeout=stall_timeout,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            collapse_identical_lines=collapse_identical_lines,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -594,6 +601,7 @@ class LocalElasticAgent:
             local_ranks_filter=self._shown_ranks(),
             log_line_prefix=self._config.log_line_prefix_template,
             stall_timeout=self._config.stall_timeout,
+            collapse_identical_lines=self._config.collapse_identical_lines,
         )
         self._output.new_attempt()
         ctx.share_output(

@@ -41,6 +41,8 @@ class AgentConfig:
         local_ranks_filter: local ranks shown on the console, None for all.
         ranks_filter: global ranks shown on the console, None for all (with
             ``local_ranks_filter`` too, a rank is shown when both allow it).
+        collapse_identical_lines: the window identical console lines of several local
+            ranks are printed once in, seconds; None: every line as written.
         forkserver_preload: modules the fork server imports once.
         signals: the signals that stop the run.
         exported_signals: the signal list exported to workers as torchrun does, when it
@@ -70,6 +72,7 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
+    collapse_identical_lines: float | None = None
 
     def __post_init__(self) -> None:
         # log_dir is checked here rather than in build: elastic_launch sets it per run with
@@ -101,6 +104,7 @@ class AgentConfig:
         stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        collapse_identical_lines: float | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> AgentConfig:
         """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
@@ -160,4 +164,7 @@ class AgentConfig:
             else values.field("metrics_port", values.port, metrics_port),
             metrics_host=values.field("metrics_host", node_values.host, metrics_host),
             health_port=health_port_from_env(env),
+            collapse_identical_lines=values.field(
+                "collapse_identical_lines", values.collapse_window, collapse_identical_lines
+            ),
         )

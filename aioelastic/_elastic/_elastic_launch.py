@@ -66,6 +66,7 @@ _DERIVED_FROM = (
     "stall_timeout",
     "metrics_port",
     "metrics_host",
+    "collapse_identical_lines",
 )
 
 
@@ -173,6 +174,9 @@ class LaunchConfig:
         no_retry_exit_codes: exit codes that fail the run at once.
         stall_timeout: stop an attempt whose workers were all silent this long (seconds).
         metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
+        collapse_identical_lines: print a console line that several local ranks write
+            identically within this many seconds once, as ``[ranks 0-7]: text``; None
+            (torch's behaviour): every copy.
     """
 
     min_nodes: int
@@ -210,6 +214,7 @@ class LaunchConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     ranks_filter: Collection[int] | str | None = None
+    collapse_identical_lines: float | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -324,6 +329,7 @@ class LaunchConfig:
             stall_timeout=self.stall_timeout,
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
+            collapse_identical_lines=self.collapse_identical_lines,
         )
         return _Derived(self._inputs(), agent, store)
 
