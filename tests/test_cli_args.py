@@ -127,6 +127,8 @@ def test_defaults_without_flags_or_environment(monkeypatch: pytest.MonkeyPatch) 
     assert c.restart_backoff is None
     assert c.no_retry_exit_codes == frozenset()
     assert c.stop_leader_first is False
+
+    assert c.collapse_identical_lines is None
     assert cmd.warnings == ()
 
 
@@ -191,6 +193,17 @@ def test_stop_leader_first_reaches_the_agent_and_takes_only_a_bool() -> None:
             LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=1, stop_leader_first=bad)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
             LocalElasticAgent(spec, stop_leader_first=bad)  # type: ignore[arg-type]
+
+
+def test_collapse_identical_lines_reaches_the_agent_from_the_flag_or_the_environment() -> None:
+    for c in (
+        config(["--collapse-identical-lines", "0.25"]),
+        config([], {"PET_COLLAPSE_IDENTICAL_LINES": "0.25"}),
+    ):
+        assert c.collapse_identical_lines == 0.25
+        assert c._derived().agent.collapse_identical_lines == 0.25
+    # An empty variable is as good as none: every line is shown.
+    assert config([], {"PET_COLLAPSE_IDENTICAL_LINES": ""}).collapse_identical_lines is None
 
 
 def test_switch_from_environment_accepts_zero() -> None:

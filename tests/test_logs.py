@@ -35,6 +35,7 @@ from aioelastic._core.process._console import ConsoleStream
 from aioelastic._core.process._platform import proc_stat
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line
+from tests.waits import ReadyFifo
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFIX = re.compile(rb"^\[w(\d+)\]:")
@@ -714,6 +715,53 @@ def test_log_line_prefix_template(supervise: Any) -> None:
         # No ROLE_NAME in its environment: the group's name stands in for the role.
         f"w/11/1@{host}> hello from 1",
     ]
+
+
+def test_identical_lines_are_printed_once_with_the_ranks_the_prefix_shows(
+    supervise: Any, tmp_path: Path
+) -> None:
+    from tests.children import collapse as child
+
+    nprocs = 8
+    ready = ReadyFifo(tmp_path)
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    script = str(REPO_ROOT / "tests" / "children" / "collapse.py")
+    sup = supervise(
+        {
+            "binary": sys.executable,
+            "nprocs": nprocs,
+            "args": [[script, str(ready.path), str(go), "0", rank] for rank in range(nprocs)],
+            # The prefix shows the global rank: so do the collapsed lines.
+            "envs": {str(rank): {"RANK": str(10 + rank)} for rank in range(nprocs)},
+            "log_line_prefix": "<${rank}> ",
+            "tee": Std.ALL,
+            "redirects": Std.ALL,
+            "log_dir": str(tmp_path / "logs"),
+            "collapse_identical_lines": 2.0,
+        }
+    )
+    try:
+        anyio.run(ready.lines, nprocs, 60)
+    finally:
+        ready.close()
+    fd = os.open(go, os.O_RDWR)  # every rank writes now (see tests/children/collapse.py)
+    try:
+        stdout, stderr, summary = sup.finish()
+    finally:
+        os.close(fd)
+    assert summary["failures"] == {}
+    own = [f"<{10 + r}> {line}" for r in range(nprocs) for line in child.lines(r)[0][1:-1]]
+    shown = stdout.decode().splitlines()
+    assert shown[0] == f"[ranks 10-17]: {child.WARNING}"
+    assert sorted(shown[1:-1]) == sorted(own)
+    assert shown[-1] == f"[ranks 10-17]: {child.LAST}"
+    assert stderr.decode().splitlines() == [f"[ranks 10-17]: {child.ERR_WARNING}"]
+    for rank in range(nprocs):
+        out, err = child.lines(rank)
+        logs = tmp_path / "logs" / str(rank)
+        assert (logs / "stdout.log").read_text() == "".join(f"{line}\n" for line in out)
+        assert (logs / "stderr.log").read_text() == "".join(f"{line}\n" for line in err)
 
 
 def test_rank_filter_hides_console_output_but_not_files_or_failures(

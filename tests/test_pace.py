@@ -7,6 +7,7 @@ unlike wall time it does not count the moments a loaded machine gives the thread
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -139,8 +140,14 @@ async def test_a_burst_of_64_groups_never_leaves_the_loop_unresponsive(tmp_path:
             for k in range(64):
                 tg.start_soon(group, k)
 
-    with anyio.fail_after(60):
-        worst_cpu = await _worst_lateness(burst)
+    # A full collection of the test process's heap (torch and every test module imported)
+    # costs 20-40 ms wherever it falls, burst or not: frozen, it is not measured as ours.
+    gc.freeze()
+    try:
+        with anyio.fail_after(60):
+            worst_cpu = await _worst_lateness(burst)
+    finally:
+        gc.unfreeze()
     assert worst_cpu < 0.035, f"the loop worked {worst_cpu * 1000:.0f} ms before a due timer"
     for k in range(64):
         assert (tmp_path / f"g{k}" / "0" / "stdout.log").read_text() == "0\n"

@@ -22,7 +22,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
+
+from tests.waits import ReadyFifo
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "children" / "terminal.py")
@@ -168,6 +171,46 @@ def test_each_frame_reaches_the_terminal_before_the_next_is_written(
     bar = term.data[: term.data.index(b"frame 5/5")]
     # No line per frame: the bar stays on one terminal line.
     assert bar.count(b"\n") == 0, bar
+
+
+def test_identical_lines_of_eight_workers_are_shown_once_while_they_run(
+    terminal: type[Terminal], tmp_path: Path
+) -> None:
+    from tests.children import collapse as child
+
+    nprocs = 8
+    ready = ReadyFifo(tmp_path)
+    go = tmp_path / "go"
+    os.mkfifo(go)
+    term = terminal(
+        ["--nproc-per-node", str(nprocs), "--collapse-identical-lines", "2",
+         str(REPO / "tests" / "children" / "collapse.py"), str(ready.path), str(go), "1"]
+    )  # fmt: skip
+    try:
+        anyio.run(ready.lines, nprocs, 60)
+    finally:
+        ready.close()
+    # Opened read-write: never blocks, and lets every worker's open of it return. The
+    # workers stay until it is closed: what is checked is shown while they run.
+    fd = os.open(go, os.O_RDWR)
+    try:
+        term.wait_for(rb"\[ranks 0-7\]: " + child.LAST.encode() + rb"\r\n")
+        term.wait_for(rb"\[ranks 0-7\]: " + child.ERR_WARNING.encode() + rb"\r\n")
+    finally:
+        os.close(fd)
+    assert term.finish() == 0, term.text()
+    lines = bytes(term.data).decode().split("\r\n")
+    assert lines.count(f"[ranks 0-7]: {child.WARNING}") == 1, lines
+    first = lines.index(f"[ranks 0-7]: {child.WARNING}")
+    last = lines.index(f"[ranks 0-7]: {child.LAST}")
+    for rank in range(nprocs):
+        # Each rank's own lines once, unprefixed as without collapsing, in order, after
+        # the warning every rank wrote before them and before the line after them.
+        own = child.lines(rank)[0][1:-1]
+        at = [lines.index(line) for line in own]
+        assert first < at[0] < at[1] < at[2] < last, lines
+        assert sum(lines.count(line) for line in own) == len(own), lines
+    assert len(lines) == 3 + 3 * nprocs + 1, lines  # and the empty piece after the last
 
 
 def test_a_window_resize_reaches_the_worker(terminal: type[Terminal]) -> None:

@@ -264,6 +264,16 @@ FLAGS: tuple[Flag, ...] = (
         metavar="RANKS",
     ),
     Flag(
+        ("--collapse-identical-lines",),
+        cli_type(values.collapse_window, "SECONDS"),
+        None,
+        "Print a console line that several local ranks write identically within SECONDS "
+        "(e.g. 0.25) once, as '[ranks 0-7]: text'; each rank's lines keep their order, and "
+        "log files keep every copy (off by default: every copy, as torchrun).",
+        ours=True,
+        metavar="SECONDS",
+    ),
+    Flag(
         _both("duplicate-stdout-filters"),
         str,
         "",

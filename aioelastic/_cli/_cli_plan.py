@@ -243,6 +243,7 @@ def config_from_args(
             tee=tee,
             local_ranks_filter=args.local_ranks_filter,
             ranks_filter=args.ranks_filter,
+            collapse_identical_lines=args.collapse_identical_lines,
             forkserver_preload=args.preload,
             restart_backoff=backoff,
             no_retry_exit_codes=args.no_retry_exit_codes,

@@ -121,6 +121,11 @@ class LocalElasticAgent:
         ranks_filter: global ranks whose console output is shown (all when None), across
             nodes: ``"0,8-15"`` or a collection; a filtered rank's failure is still
             reported in full.
+        collapse_identical_lines: a window in seconds (e.g. ``0.25``): a console line
+            that several local ranks write identically within it is printed once, as
+            ``[ranks 0-7]: text`` (the rank numbers the prefix shows); log files and
+            ``output()`` still get every copy. Off when None. Each node collapses its own
+            ranks.
         forkserver_preload: modules the fork server imports once; restarts reuse the warm
             server, so a restart costs a fork instead of a fresh interpreter.
         signals_to_handle: signals that stop the run, as torch names them
@@ -179,6 +184,7 @@ class LocalElasticAgent:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         stop_leader_first: bool = False,
+        collapse_identical_lines: float | None = None,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
     ) -> None:
@@ -203,6 +209,7 @@ class LocalElasticAgent:
             metrics_port=metrics_port,
             metrics_host=metrics_host,
             stop_leader_first=stop_leader_first,
+            collapse_identical_lines=collapse_identical_lines,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -639,6 +646,7 @@ class LocalElasticAgent:
             log_line_prefix=self._config.log_line_prefix_template,
             stall_timeout=self._config.stall_timeout,
             stop_leader_first=self._config.stop_leader_first,
+            collapse_identical_lines=self._config.collapse_identical_lines,
         )
         self._output.new_attempt()
         ctx.tell_stalls_with(self._tell_stall)

@@ -41,6 +41,8 @@ class AgentConfig:
         local_ranks_filter: local ranks shown on the console, None for all.
         ranks_filter: global ranks shown on the console, None for all (with
             ``local_ranks_filter`` too, a rank is shown when both allow it).
+        collapse_identical_lines: the window identical console lines of several local
+            ranks are printed once in, seconds; None: every line as written.
         forkserver_preload: modules the fork server imports once.
         signals: the signals that stop the run.
         exported_signals: the signal list exported to workers as torchrun does, when it
@@ -73,6 +75,7 @@ class AgentConfig:
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
     stop_leader_first: bool = False
+    collapse_identical_lines: float | None = None
 
     def __post_init__(self) -> None:
         # log_dir is checked here rather than in build: elastic_launch sets it per run with
@@ -105,6 +108,7 @@ class AgentConfig:
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
         stop_leader_first: bool = False,
+        collapse_identical_lines: float | None = None,
         environ: Mapping[str, str] | None = None,
     ) -> AgentConfig:
         """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
@@ -165,4 +169,7 @@ class AgentConfig:
             metrics_host=values.field("metrics_host", node_values.host, metrics_host),
             health_port=health_port_from_env(env),
             stop_leader_first=values.field("stop_leader_first", values.boolean, stop_leader_first),
+            collapse_identical_lines=values.field(
+                "collapse_identical_lines", values.collapse_window, collapse_identical_lines
+            ),
         )

@@ -68,6 +68,7 @@ _DERIVED_FROM = (
     "metrics_port",
     "metrics_host",
     "stop_leader_first",
+    "collapse_identical_lines",
 )
 
 
@@ -177,6 +178,9 @@ class LaunchConfig:
         metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
         stop_leader_first: the stop signal goes to each worker alone first, to the rest
             of its process group once it exited (torch signals the whole group).
+        collapse_identical_lines: print a console line that several local ranks write
+            identically within this many seconds once, as ``[ranks 0-7]: text``; None
+            (torch's behaviour): every copy.
     """
 
     min_nodes: int
@@ -215,6 +219,7 @@ class LaunchConfig:
     metrics_host: str = "127.0.0.1"
     ranks_filter: Collection[int] | str | None = None
     stop_leader_first: bool = False
+    collapse_identical_lines: float | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -330,6 +335,7 @@ class LaunchConfig:
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
             stop_leader_first=self.stop_leader_first,
+            collapse_identical_lines=self.collapse_identical_lines,
         )
         return _Derived(self._inputs(), agent, store)
 

@@ -237,6 +237,7 @@ async def _supervise(config: dict[str, Any]) -> dict[str, Any]:
         tee=Std(config.get("tee", 0)),
         local_ranks_filter=None if filt is None else set(filt),
         log_line_prefix=config.get("log_line_prefix"),
+        collapse_identical_lines=config.get("collapse_identical_lines"),
         grace_period=5.0,
     )
     async with ctx:

@@ -31,10 +31,11 @@ import anyio.lowlevel
 
 from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
 from ..hangs._stall import StallTeller
+from ..output._collapse import Collapser
 from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..process import _platform
 from ..process._backend import callback_context, require_asyncio
-from ..process._console import console
+from ..process._console import StreamName, console
 from ..process._lazy_event import wait_all
 from ..process._std import Std
 from ..process._to_the_end import to_the_end
@@ -94,6 +95,9 @@ class PContext:
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
         #: Tells a stall in place of the group's own report (see tell_stalls_with).
         self._stall_teller: StallTeller | None = None
+        #: Where identical console lines of several ranks are collapsed, per stream (made
+        #: at the start, when asked for).
+        self._collapsers: dict[StreamName, Collapser] = {}
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
         self._phase = Phase.NEW
@@ -245,6 +249,9 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
         assert self._files is not None
+        window = self._spec.collapse_identical_lines
+        if window is not None and self.nprocs > 1:
+            self._collapsers = {n: Collapser(console(n), window) for n in ("stdout", "stderr")}
         starter = GroupStarter(
             self._spec,
             self._files,
@@ -255,6 +262,7 @@ class PContext:
             workers=self._workers,
             on_exit=self._exit_seen,
             run_io=self._run_io,
+            collapsers=self._collapsers,
         )
         await self._method.start(starter)
         if starter.errors:
@@ -508,6 +516,9 @@ class PContext:
             # Closing a worker's pipes and log files is a handful of syscalls; for
             # hundreds of workers, other tasks run in between.
             await anyio.lowlevel.cancel_shielded_checkpoint()
+        # Every stream has ended: the lines still held for their twins go out now.
+        for collapser in self._collapsers.values():
+            collapser.flush()
         if self._output.owned:
             self._output.hub.close()
         # Bounded: a console whose reader stopped reading (a paused terminal, a full
@@ -560,6 +571,7 @@ def start_processes(
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
     stop_leader_first: bool = False,
+    collapse_identical_lines: float | None = None,
 ) -> PContext:
     """Validate the arguments and return a :class:`PContext` (workers start on entry).
 
@@ -589,6 +601,10 @@ def start_processes(
             gets the same signal, and whatever is left when the grace period ends is
             SIGKILLed. ``False`` (the default, as torchrun): the whole group gets it at
             once. See docs/reliability.md.
+        collapse_identical_lines: A window in seconds (e.g. ``0.25``): a console line
+            that several ranks write identically within it is printed once, as
+            ``[ranks 0-7]: text``; each rank's lines keep their order, and the log files
+            and ``output()`` still get every copy. Off when ``None``. See docs/logs.md.
 
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
@@ -607,6 +623,7 @@ def start_processes(
         local_ranks_filter=local_ranks_filter,
         log_line_prefix=log_line_prefix,
         stop_leader_first=stop_leader_first,
+        collapse_identical_lines=collapse_identical_lines,
     )
     return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
 
@@ -627,6 +644,7 @@ async def run_processes(
     log_line_prefix: str | None = None,
     stall_timeout: float | None = None,
     stop_leader_first: bool = False,
+    collapse_identical_lines: float | None = None,
 ) -> RunProcsResult:
     """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
     ctx = start_processes(
@@ -644,6 +662,7 @@ async def run_processes(
         log_line_prefix=log_line_prefix,
         stall_timeout=stall_timeout,
         stop_leader_first=stop_leader_first,
+        collapse_identical_lines=collapse_identical_lines,
     )
     async with ctx:
         result = await ctx.wait()

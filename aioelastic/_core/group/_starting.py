@@ -26,10 +26,11 @@ import anyio
 
 from ..child._result_pipe import ResultReceiver
 from ..hangs._guard import HangGuard
+from ..output._collapse import Collapser
 from ..output._logs import StreamPump
 from ..output._stream import OutputHub, StreamOutput
 from ..output._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
-from ..process._console import console
+from ..process._console import ConsoleSink, StreamName, console
 from ..process._pace import pace
 from ..process._runtime import runtime
 from ..process._std import Std
@@ -113,6 +114,8 @@ class GroupStarter:
         workers: the group's records, appended to as workers are recorded.
         on_exit: called back by each worker's exit watch.
         run_io: runs an I/O task of the group (shielded, ended at teardown).
+        collapsers: the group's collapsing stage per console stream (none: every line is
+            printed as written).
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class GroupStarter:
         workers: list[WorkerProcess],
         on_exit: Callable[[WorkerProcess, ExitOutcome], None],
         run_io: Callable[..., None],
+        collapsers: Mapping[StreamName, Collapser] | None = None,
     ) -> None:
         self.spec = spec
         self.files = files
@@ -137,6 +141,7 @@ class GroupStarter:
         self._workers = workers
         self._on_exit = on_exit
         self._run_io = run_io
+        self._collapsers = collapsers or {}
         self._terminals = ConsoleTerminals.probe()
         #: The starts that failed, by rank, in the order seen: the first one is raised.
         self.errors: list[tuple[int, BaseException]] = []
@@ -253,13 +258,17 @@ class GroupStarter:
         shown = spec.local_ranks_filter is None or rank in spec.local_ranks_filter
         teed = stream in spec.tee[rank]
         redirected = stream in self.files.logged[rank]
-        target = console("stdout" if stream is Std.OUT else "stderr")
+        name: StreamName = "stdout" if stream is Std.OUT else "stderr"
+        target: ConsoleSink = console(name)
         if shown and teed:
             sink, prefix = target, _prefix(spec, rank)
         elif shown and not redirected:
             sink, prefix = target, b""
         else:
             sink, prefix = None, b""
+        collapser = self._collapsers.get(name)
+        if sink is not None and collapser is not None:
+            sink = collapser.lane(_shown_rank(spec, rank), prefix)
         ranks = self._output.ranks
         return {
             "log_path": self.files.log_path(rank, stream) if redirected else None,
@@ -285,6 +294,29 @@ def _close_unowned(parent_ends: list[int], pumps: list[StreamPump]) -> None:
     for fd in parent_ends:
         if fd not in owned:
             os.close(fd)
+
+
+def _shown_rank(spec: GroupSpec, rank: int) -> int:
+    """The number the console prefix of local rank ``rank`` shows, for collapsed lines.
+
+    The global rank (``RANK``) when the prefix template uses ``${rank}``; otherwise the
+    local rank, as the default prefix ``[{name}{local_rank}]:`` shows it.
+    """
+    template = spec.log_line_prefix
+    if template is not None and "rank" in _template_fields(template):
+        text = spec.envs[rank].get("RANK", "")
+        if text.isdigit():
+            return int(text)
+    return rank
+
+
+def _template_fields(template: str) -> set[str]:
+    """The names a ``string.Template`` substitutes (``${rank}`` and ``$rank`` alike)."""
+    return {
+        m.group("named") or m.group("braced")
+        for m in string.Template.pattern.finditer(template)
+        if m.group("named") or m.group("braced")
+    }
 
 
 def _prefix(spec: GroupSpec, rank: int) -> bytes:

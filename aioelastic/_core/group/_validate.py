@@ -43,6 +43,8 @@ class GroupSpec:
     log_line_prefix: str | None
     #: Stop each worker (its process group's leader) before the rest of its group.
     stop_leader_first: bool = False
+    #: The window identical console lines of several ranks are printed once in; None: off.
+    collapse_identical_lines: float | None = None
 
     @property
     def nprocs(self) -> int:
@@ -70,6 +72,7 @@ def validate(
     local_ranks_filter: Collection[int] | None,
     log_line_prefix: str | None,
     stop_leader_first: bool = False,
+    collapse_identical_lines: float | None = None,
 ) -> GroupSpec:
     """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
     check_not_importing_main("start_processes()")
@@ -105,6 +108,9 @@ def validate(
         ),
         log_line_prefix=values.field("log_line_prefix", values.prefix_template, log_line_prefix),
         stop_leader_first=values.field("stop_leader_first", values.boolean, stop_leader_first),
+        collapse_identical_lines=values.field(
+            "collapse_identical_lines", values.collapse_window, collapse_identical_lines
+        ),
     )
 
 

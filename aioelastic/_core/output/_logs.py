@@ -10,7 +10,8 @@ call it:
 * cuts the bytes into whole lines and progress frames for the console (prefixed when
   tee'd) with a :class:`~._frames.Framer`, holding back a partial line until its newline,
   its redrawing ``\r``, the end of the stream, or :data:`FLUSH_DELAY` after its first
-  byte arrived;
+  byte arrived — through a :mod:`._collapse` stage when identical lines of several ranks
+  are printed once;
 * keeps the last lines of stderr for the failure report.
 
 The read end may be a pipe or the master side of a pseudo-terminal (:mod:`._terminal`),
@@ -30,7 +31,7 @@ import math
 import os
 import time
 
-from ..process._console import ConsoleStream
+from ..process._console import ConsoleSink
 from ..process._lazy_event import LazyEvent
 from ._frames import Framer, Live
 from ._stream import StreamOutput
@@ -51,7 +52,8 @@ class StreamPump:
     Args:
         fd: The read end of the worker's pipe (made non-blocking; closed at the end).
         log_path: The log file to append every byte to, or ``None``.
-        console: Where whole lines are printed, or ``None``.
+        console: Where whole lines are printed (the console, or a collapsing stage in
+            front of it: :mod:`._collapse`), or ``None``.
         prefix: Put before every console line (and after every redrawing ``\\r``).
         keep_tail: Whether to keep the last :data:`~._frames.TAIL_LINES` lines for a report.
         live: What the console is shown as soon as it arrives (:class:`~._frames.Live`).
@@ -86,7 +88,7 @@ class StreamPump:
         fd: int,
         *,
         log_path: str | os.PathLike[str] | None,
-        console: ConsoleStream | None,
+        console: ConsoleSink | None,
         prefix: bytes,
         keep_tail: bool,
         live: Live = Live.OFF,
@@ -238,6 +240,8 @@ class StreamPump:
         """Flush the held partial line and close the pipe and the log file (idempotent)."""
         self._flush_at = math.inf
         self._put(self._framer.end())
+        if self._console is not None:
+            self._console.end()
         if self._output is not None:
             self._output.end()
         if self._timer is not None:

@@ -24,7 +24,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 from ._runtime import runtime
 
@@ -36,6 +36,22 @@ HIGH_WATER = 16 * 1024 * 1024
 WRITE_BLOCK = 1024 * 1024
 
 StreamName = Literal["stdout", "stderr"]
+
+
+class ConsoleSink(Protocol):
+    """Where a log pump hands its console blocks.
+
+    A :class:`ConsoleStream`, or a stage in front of one (:class:`~._collapse.Lane`).
+    """
+
+    def put(self, data: bytes) -> None:
+        """Queue ``data`` (whole lines and frames) without waiting."""
+
+    def room(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None] | None:
+        """``None`` while there is room, else a future resolved in ``loop`` once there is."""
+
+    def end(self) -> None:
+        """The producer's stream ended: nothing more will be put."""
 
 
 class ConsoleStream:
@@ -92,6 +108,9 @@ class ConsoleStream:
             future: asyncio.Future[None] = loop.create_future()
             self._waiters.append((condition, loop, future))
         return future
+
+    def end(self) -> None:
+        """A producer's stream ended: nothing to do, the console keeps nothing per producer."""
 
     def _has_room(self) -> bool:
         return self._enqueued - self._written <= self._high_water

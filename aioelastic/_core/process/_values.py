@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
+    "MAX_COLLAPSE_WINDOW",
     "NAME_MAX",
     "PORT_DIGITS",
     "PREFIX_FIELDS",
     "START_METHODS",
     "boolean",
+    "collapse_window",
     "duration",
     "field",
     "integer",
@@ -56,6 +58,9 @@ PREFIX_FIELDS = ("role_name", "rank", "local_rank", "hostname")
 """torch's fallback for the shutdown timeout when none is given."""
 NAME_MAX = 255
 """Longest file name (bytes) most filesystems allow: a name appears in log file names."""
+
+MAX_COLLAPSE_WINDOW = 10.0
+"""The longest window for identical lines: a line may wait this long before it is shown."""
 
 PORT_DIGITS = re.compile(r"[0-9]{1,5}")
 
@@ -155,6 +160,28 @@ def positive_duration(value: object) -> float:
 
 
 # -- nodes and addresses --------------------------------------------------------------
+
+
+def collapse_window(value: object) -> float | None:
+    """Seconds a console line waits for the same line from other ranks; ``None``: off.
+
+    ``""`` (an empty ``PET_*`` variable) is off too. A window is > 0 and at most
+    :data:`MAX_COLLAPSE_WINDOW`: every line may be shown that much later than it was written.
+    """
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    number = _seconds(value)
+    if number <= 0:
+        raise ValueError(
+            f"{number:g} is not > 0 seconds; give the window identical lines are collapsed "
+            "in (e.g. 0.25), or leave it unset to show every line"
+        )
+    if number > MAX_COLLAPSE_WINDOW:
+        raise ValueError(
+            f"{number:g} seconds is longer than {MAX_COLLAPSE_WINDOW:g}: every line would "
+            "wait that long before it is shown; 0.25 catches lines written together"
+        )
+    return number
 
 
 def port(value: object) -> int:
