@@ -349,3 +349,20 @@ def test_what_was_pickled_by_an_old_core_path_still_loads() -> None:
         loaded = pickle.loads(old)
         assert type(loaded) is type(value)
         assert repr(loaded) == repr(value) or vars(loaded) == vars(value)
+
+
+def test_the_group_context_keeps_only_its_lifecycle() -> None:
+    # PContext reads top to bottom as enter, wait, stop, close: what it does besides
+    # (preparing, starting, settling, the group's I/O) lives in modules of its own, and it
+    # knows the start method only through its protocol.
+    path = PACKAGE / "_core" / "group" / "_pcontext.py"
+    tree = ast.parse(path.read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PContext"]
+    assert cls.end_lineno is not None
+    assert cls.end_lineno - cls.lineno < 450
+    branches = [
+        n.lineno
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute) and n.attr in ("start_method", "is_binary")
+    ]
+    assert branches == []

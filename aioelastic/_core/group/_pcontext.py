@@ -31,11 +31,9 @@ import anyio.lowlevel
 
 from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
 from ..hangs._stall import StallTeller
-from ..output._collapse import Collapser
 from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..process import _platform
 from ..process._backend import callback_context, require_asyncio
-from ..process._console import StreamName, console
 from ..process._lazy_event import wait_all
 from ..process._std import Std
 from ..process._to_the_end import to_the_end
@@ -47,15 +45,12 @@ from ..start._watchdog import watchdog
 from ..worker._process import WorkerProcess
 from ..worker._teardown import stop_workers
 from . import _preparing as preparing, _settle as settle
+from ._group_io import GroupIO
 from ._start_methods import start_method
 from ._starting import GroupStarter, OutputTarget
 from ._validate import GroupSpec, validate
 
 logger = logging.getLogger("aioelastic")
-
-#: After teardown, how long to wait for the worker pipes to reach end-of-file. Only a
-#: descendant that escaped its process group (``setsid``) can keep one open that long.
-IO_DRAIN_TIMEOUT = 2.0
 
 
 class Phase(enum.IntEnum):
@@ -95,16 +90,13 @@ class PContext:
         self._hang_scope: anyio.CancelScope | None = None  # made in the loop, when started
         #: Tells a stall in place of the group's own report (see tell_stalls_with).
         self._stall_teller: StallTeller | None = None
-        #: Where identical console lines of several ranks are collapsed, per stream (made
-        #: at the start, when asked for).
-        self._collapsers: dict[StreamName, Collapser] = {}
         #: The group's log files, once made.
         self._files: preparing.GroupFiles | None = None
         self._phase = Phase.NEW
         self._tg: anyio.abc.TaskGroup | None = None
         #: The context the workers' exit callbacks run in (made in the loop, when started).
         self._callbacks = contextvars.Context()
-        self._io_scopes: list[anyio.CancelScope] = []
+        self._io = GroupIO()
         self._done = anyio.Event()
         #: How many times close() was called: a second call escalates.
         self._close_calls = 0
@@ -249,9 +241,8 @@ class PContext:
 
     async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
         assert self._files is not None
-        window = self._spec.collapse_identical_lines
-        if window is not None and self.nprocs > 1:
-            self._collapsers = {n: Collapser(console(n), window) for n in ("stdout", "stderr")}
+        assert self._tg is not None
+        self._io.open(self._tg, self._spec)
         starter = GroupStarter(
             self._spec,
             self._files,
@@ -261,30 +252,14 @@ class PContext:
             result_pipe=self._method.returns_value,
             workers=self._workers,
             on_exit=self._exit_seen,
-            run_io=self._run_io,
-            collapsers=self._collapsers,
+            run_io=self._io.run,
+            collapsers=self._io.collapsers,
         )
         await self._method.start(starter)
         if starter.errors:
             rank, exc = starter.errors[0]
             preparing.raise_start_error(exc, f"worker {rank} of {self.name!r}")
         self._method.after_group()
-
-    def _run_io(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run an I/O task that outer cancellation cannot interrupt mid-transfer.
-
-        Log pumps must not lose the bytes still in a pipe when the host task is
-        cancelled; :meth:`_finish_io` ends them explicitly after a final drain.
-        """
-        scope = anyio.CancelScope(shield=True)
-        self._io_scopes.append(scope)
-
-        async def run() -> None:
-            with scope:
-                await fn(*args)
-
-        assert self._tg is not None
-        self._tg.start_soon(run)
 
     # -- watching ---------------------------------------------------------------------
 
@@ -500,32 +475,7 @@ class PContext:
         if self._phase is Phase.CLOSED:
             return
         self._phase = Phase.CLOSED
-        pumps = [p for w in self._workers for p in (w.stdout, w.stderr)]
-        # Every writer is dead now, so the pipes reach end-of-file at once — unless a
-        # descendant escaped its process group and still holds one.
-        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
-            await wait_all(pump.closed for pump in pumps)
-        for scope in self._io_scopes:
-            scope.cancel()
-        for worker in self._workers:
-            for pump in (worker.stdout, worker.stderr):
-                pump.drain(max_chunks=1024)
-                pump.finish()
-            if worker.result is not None:
-                worker.result.close()
-            # Closing a worker's pipes and log files is a handful of syscalls; for
-            # hundreds of workers, other tasks run in between.
-            await anyio.lowlevel.cancel_shielded_checkpoint()
-        # Every stream has ended: the lines still held for their twins go out now.
-        for collapser in self._collapsers.values():
-            collapser.flush()
-        if self._output.owned:
-            self._output.hub.close()
-        # Bounded: a console whose reader stopped reading (a paused terminal, a full
-        # pipe nobody drains) must not hold up the end of the run.
-        with anyio.move_on_after(IO_DRAIN_TIMEOUT):
-            for stream in (console("stdout"), console("stderr")):
-                await stream.flush()
+        await self._io.finish(self._workers, self._output)
         # Removing hundreds of FIFOs and directories is as slow as creating them.
         await self._blocking(self._remove_files)
 
