@@ -185,6 +185,13 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
      "'[::1' has no valid host"),
     ([*_C10D, "--rdzv-endpoint", "h:99999"], {}, [lambda: _config(rdzv_endpoint="h:99999")],
      "'h:99999' has no valid port"),
+    ([*_C10D, "--rdzv-endpoint", "h1:29400,h2:29400"], {},
+     [lambda: _config(rdzv_endpoint="h1:29400,h2:29400")],
+     "'h1:29400,h2:29400' names several servers, and the 'c10d' rendezvous has one: give one "
+     "HOST:PORT (a list is for the etcd backends, each a member of one cluster)"),
+    (["--rdzv-backend", "etcd-v2", "--rdzv-endpoint", "h1:2379,"], {},
+     [lambda: _config(rdzv_backend="etcd-v2", rdzv_endpoint="h1:2379,")],
+     "'h1:2379,' has an empty member; give HOST:PORT,HOST:PORT"),
     (["--rdzv-conf", "join_timeout"], {}, [lambda: _config(rdzv_configs="join_timeout")],
      "item 'join_timeout' is not KEY=VALUE"),
     (["--signals-to-handle", "TERM"], {}, [lambda: _config(signals_to_handle="TERM"),

@@ -10,9 +10,10 @@ Each test starts a three-member etcd cluster on 127.0.0.1 (`tests.etcd_cluster`)
 * ``etcd``: torch's original etcd rendezvous (``EtcdRendezvousHandler``), whose nodes keep
   a TTL key each alive (a lease refreshed every 5 s, expiring after 10 s).
 
-Both speak etcd's v2 API through the python-etcd client. torch takes one ``HOST:PORT``:
-the client learns the other members from that one (``/v2/machines``) and moves to another
-when its member fails, so a node only needs its endpoint up while it starts.
+Both speak etcd's v2 API through the python-etcd client. torch takes one ``HOST:PORT``
+(``aioelastic-run`` also a list, used through the first member that answers): the client
+learns the other members from that one (``/v2/machines``) and moves to another when its
+member fails, so a node only needs its endpoint up while it starts.
 
 Workers that must be running while the test acts hold at a FIFO the test controls
 (`Gate`) after their first ``all_reduce``. Waits are on events (launcher output, etcd
@@ -271,6 +272,38 @@ def test_a_launcher_whose_etcd_member_is_down_fails_at_once(
     run = launch(*job(backend, member.endpoint, new_run_id(), nnodes="1"), timeout=50)
     assert run.proc.returncode == 1, run.stderr
     assert "Could not get the list of servers" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.timeout(60)
+def test_a_list_of_members_reaches_the_cluster_through_any_that_is_up(
+    cluster: EtcdCluster, backend: str
+) -> None:
+    # --rdzv-endpoint h1:p1,h2:p2: the first member is down when the nodes start; each
+    # connects through the next one (and its client learns the whole cluster from it).
+    down = cluster.kill(cluster.followers()[0])
+    others = [m.endpoint for m in cluster.members if m is not down]
+    endpoint = ",".join([down.endpoint, *others])
+    run_id = new_run_id()
+    with (
+        launcher(*job(backend, endpoint, run_id)) as a,
+        launcher(*job(backend, endpoint, run_id)) as b,
+    ):
+        assert a.finish(50) == 0, a.stderr
+        assert b.finish(50) == 0, b.stderr
+    assert {(s["world"], s["sum"]) for s in both((a, b), "sum")} == {("4", "6")}
+
+
+@pytest.mark.timeout(60)
+def test_a_list_of_members_none_up_names_each(cluster: EtcdCluster) -> None:
+    down = [cluster.kill(m) for m in cluster.followers()]
+    endpoint = ",".join(m.endpoint for m in down)
+    run = launch(*job("etcd-v2", endpoint, new_run_id(), nnodes="1"), timeout=50)
+    assert run.proc.returncode == 1, run.stderr
+    assert f"no member of --rdzv-endpoint {endpoint!r} answered" in run.stderr
+    for member in down:
+        assert f"{member.endpoint}: " in run.stderr
     assert "Traceback" not in run.stderr
 
 

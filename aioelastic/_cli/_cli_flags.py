@@ -55,8 +55,12 @@ def cli_type(parse: Callable[[str], _T], metavar: str) -> Callable[[str], _T]:
 
 
 def _endpoint_text(text: str) -> str:
-    """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch."""
-    node_values.endpoint(text)
+    """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch.
+
+    A list (the etcd backends' members) is checked member by member here, and against
+    the backend once it is known.
+    """
+    node_values.endpoints(text, next(iter(node_values.LIST_ENDPOINT_BACKENDS)))
     return text.strip()
 
 

@@ -317,7 +317,11 @@ class LaunchConfig:
                 "rdzv_endpoint", lambda text: static_store(text, self.max_nodes), endpoint
             )
         else:
-            values.field("rdzv_endpoint", node_values.endpoint, endpoint)
+            values.field(
+                "rdzv_endpoint",
+                lambda text: node_values.endpoints(text, self.rdzv_backend),
+                endpoint,
+            )
         agent = AgentConfig.build(
             nprocs=self.nproc_per_node,
             start_method=self.start_method,

@@ -114,6 +114,36 @@ def endpoint(value: object, default_port: int | None = None) -> tuple[str, int |
     return host, result_port
 
 
+#: The backends whose endpoint may name several servers of one cluster (etcd's members).
+LIST_ENDPOINT_BACKENDS = frozenset({"etcd", "etcd-v2"})
+
+
+def endpoints(value: object, backend: str) -> list[str]:
+    """The ``--rdzv-endpoint`` of ``backend`` as a list of ``HOST[:PORT]`` texts.
+
+    The etcd backends take several members of one cluster, ``h1:2379,h2:2379``: a node
+    connects to the first that answers, and the etcd client learns the others from it
+    (so a member lost later is not missed either). Every other backend takes one.
+
+    Raises:
+        ValueError: a member is not ``HOST[:PORT]``, or a list is given to a backend with
+            one store.
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a str 'HOST:PORT'")
+    members = [member.strip() for member in value.split(",")]
+    if len(members) > 1 and backend not in LIST_ENDPOINT_BACKENDS:
+        raise ValueError(
+            f"{value!r} names several servers, and the {backend!r} rendezvous has one: give "
+            "one HOST:PORT (a list is for the etcd backends, each a member of one cluster)"
+        )
+    if len(members) > 1 and not all(members):
+        raise ValueError(f"{value!r} has an empty member; give HOST:PORT,HOST:PORT")
+    for member in members:
+        endpoint(member)
+    return members
+
+
 def host(value: object) -> str:
     """A host name, an IPv4 or an IPv6 address (no brackets, no port): where to bind or be seen."""
     if not isinstance(value, str):

@@ -94,23 +94,51 @@ async def create_rdzv_handler(
             "client)"
         )
 
+    members = node_values.endpoints(endpoint, backend) if endpoint.strip() else [endpoint]
+
     def create() -> RendezvousHandler:
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous import (
+            RendezvousConnectionError,
+            RendezvousParameters,
+        )
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-        params = RendezvousParameters(
-            backend=backend,
-            endpoint=endpoint,
-            run_id=run_id,
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
-            local_addr=local_addr,
-            **config,
+        unreachable: list[str] = []
+        for member in members:
+            params = RendezvousParameters(
+                backend=backend,
+                endpoint=member,
+                run_id=run_id,
+                min_nodes=min_nodes,
+                max_nodes=max_nodes,
+                local_addr=local_addr,
+                **config,
+            )
+            try:
+                with connection_errors_explained():
+                    return get_rendezvous_handler(params)
+            except Exception as e:
+                # An etcd member down when the node starts: the next one is asked. torch's
+                # older handler raises the client's own error, the newer one wraps it.
+                if len(members) == 1 or not _unreachable(e):
+                    raise
+                unreachable.append(f"{member}: {e}")
+        raise RendezvousConnectionError(
+            f"no member of --rdzv-endpoint {endpoint!r} answered: " + "; ".join(unreachable)
         )
-        with connection_errors_explained():
-            return get_rendezvous_handler(params)
 
     return await on_daemon_thread(create, f"aioelastic-rdzv-create-{run_id}")
+
+
+def _unreachable(error: BaseException) -> bool:
+    """Whether ``error`` says an etcd member could not be reached (not a bad option)."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    if isinstance(error, RendezvousConnectionError):
+        return True
+    import etcd  # type: ignore[import-untyped]  # present: checked for the etcd backends
+
+    return isinstance(error, etcd.EtcdException)
 
 
 @contextlib.contextmanager
