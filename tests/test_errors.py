@@ -485,6 +485,27 @@ def test_format_msg_single_failure_has_no_other_failures() -> None:
     assert "  traceback : ValueError: rank 0" in msg
 
 
+def test_a_nodes_end_is_reported_without_a_made_up_rank_or_exit() -> None:
+    # Another node's end that is not a worker's (its launcher got a signal, it vanished,
+    # the store was lost) leads a report with no rank and no process of its own.
+    node_end = ProcessFailure(
+        local_rank=-1,
+        pid=-1,
+        exitcode=-1,
+        error_file="<N/A>",
+        message="stopped: node 2 (10.0.0.3) vanished: no heartbeat for 5 s",
+        timestamp=2.0,
+        host="10.0.0.3",
+    )
+    msg = ChildFailedError("w", {-1: node_end, 0: _failure(0, 3.0)}).format_msg()
+    root = msg[msg.index("Root Cause") :]
+    assert "  rank      : none (a node's end, not a worker's: see traceback)" in root
+    assert "  exitcode  : none (no process)" in root
+    assert "  host      : 10.0.0.3" in root
+    assert "-1" not in root
+    assert "  rank      : 0 (local_rank: 0)" in msg[: msg.index("Root Cause")]
+
+
 def test_child_failed_error_pickles(tmp_path: Path) -> None:
     path = tmp_path / "error.json"
     write_error_file(path, _caught(ValueError("pickled")))

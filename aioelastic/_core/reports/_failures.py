@@ -335,8 +335,12 @@ class ChildFailedError(Exception):
                 f"[{idx}]:",
                 f"  time      : {failure.timestamp_isoformat()}",
                 f"  host      : {failure.host or self.host}",
-                f"  rank      : {rank} (local_rank: {failure.local_rank})",
-                f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal_part}",
+                f"  rank      : {rank} (local_rank: {failure.local_rank})"
+                if rank >= 0
+                else "  rank      : none (a node's end, not a worker's: see traceback)",
+                f"  exitcode  : {failure.exitcode} (pid: {failure.pid}){signal_part}"
+                if failure.pid >= 0
+                else "  exitcode  : none (no process)",
                 f"  error_file: {failure.error_file}",
                 f"  traceback : {trace}",
             ]
