@@ -283,6 +283,8 @@ class _Server:
                         return
                 elif isinstance(key.data, _Handoff):
                     self._handoff_answered(key.data)
+                elif isinstance(key.data, _Spare):
+                    self._idle_spare_died(key.data)
                 else:
                     self._report_exit(key.data)
             now = time.monotonic()
@@ -470,7 +472,17 @@ class _Server:
             os.setpgid(pid, pid)
         except OSError:
             pass
-        self._spares.append(_Spare(pid, ours))
+        spare = _Spare(pid, ours)
+        self._spares.append(spare)
+        # An idle spare writes nothing: its socket turns readable only at its death (the
+        # OOM killer, a stray SIGKILL), which is then reaped at once, not left a zombie
+        # until a request happens to try it.
+        self._selector.register(ours, selectors.EVENT_READ, spare)
+
+    def _idle_spare_died(self, spare: _Spare) -> None:
+        self._spares.remove(spare)
+        self._selector.unregister(spare.sock)
+        self._discard_spare(spare)
 
     def _hand_to_spare(self, fds: list[int], call: bytes | None) -> bool:
         """Give a start request to a spare; whether one took it (its answer comes later).
@@ -484,6 +496,7 @@ class _Server:
         _, stderr_w, result_w, _, stdout_w, *rest = fds
         while self._spares:
             spare = self._spares.pop()
+            self._selector.unregister(spare.sock)
             message = b"S" if call is None else b"C" + call
             try:
                 socket.send_fds(spare.sock, [message], [stderr_w, result_w, stdout_w, *rest])
@@ -528,6 +541,7 @@ class _Server:
     def _drop_spares(self, keep: int) -> None:
         while len(self._spares) > keep:
             spare = self._spares.pop()
+            self._selector.unregister(spare.sock)
             spare.sock.close()  # it reads end-of-file and exits
             os.waitpid(spare.pid, 0)
 
