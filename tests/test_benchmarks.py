@@ -498,6 +498,7 @@ def test_multinode_is_measure_k_and_quick_runs_only_its_exit_and_sigterm_cases()
         "exit": both,
         "gloo": [],
         "kill": [],
+        "store": [],
         "term": both,
         "recover": [],
         "recover-silent": [],

@@ -13,6 +13,10 @@ running :mod:`benchmarks._multinode_job`. Once every rank said ready (a FIFO), o
   dead peer: the backend tells every node, whatever the launcher does.
 - ``kill``: node 2's launcher and workers SIGKILLed (a machine lost) while every rank
   blocks silently. Time: the first kill to the last exit of nodes 0 and 1.
+- ``store``: node 0, the c10d store's host, SIGKILLed (launcher and workers) while every
+  rank blocks silently: the documented single point of failure of c10d. Time: the kill to
+  the last exit of nodes 1 and 2 (ours: the store given ``STORE_LOST_AFTER``, 10 s, to
+  answer, as an etcd election needs).
 - ``term``: node 1's launcher gets SIGTERM while every rank blocks silently. Time: the
   signal to the last exit of nodes 0 and 2.
 - ``recover`` and ``recover-silent``: an elastic job (``--nnodes 2:3 --max-restarts 3``)
@@ -277,6 +281,11 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
             watched = [n for n in nodes if n is not victim]
         elif case in RECOVER_CASES:
             return _recover(ctx, nodes, cap)
+        elif case == "store":
+            victim = nodes[0]
+            started = now_ns()
+            _kill_node(victim)
+            watched = [n for n in nodes if n is not victim]
         elif case == "term":
             victim = nodes[TERMINATED_NODE]
             started = now_ns()
@@ -451,7 +460,8 @@ MEASURE = Measure(
         "2's last rank exits 7 while the others block silently (as NCCL ranks do when a peer "
         "dies), from its exit; *gloo*: the same with the others in a gloo `all_reduce`, "
         "which notices the dead peer; *SIGKILLed node*: node 2's launcher and workers "
-        "SIGKILLed, from the kill, nodes 0 and 1 watched; *SIGTERM'd launcher*: node 1's "
+        "SIGKILLed, from the kill, nodes 0 and 1 watched; *the store's host*: node 0 SIGKILLed "
+        "likewise, nodes 1 and 2 watched; *SIGTERM'd launcher*: node 1's "
         "launcher gets SIGTERM, from the signal, nodes 0 and 2 watched. To the last watched "
         "launcher's exit, and to the last of their ranks stopped. A repetition whose "
         f"launchers have not all ended {CAP_S:g} s after the event ({QUICK_CAP_S:g} s with "
@@ -461,6 +471,7 @@ MEASURE = Measure(
         _group("exit", "exit, the others wait silently", quick=True),
         _group("gloo", "exit, the others in a gloo all_reduce", quick=False),
         _group("kill", "SIGKILLed node, the others wait silently", quick=False),
+        _group("store", "the store's host SIGKILLed, the others wait silently", quick=False),
         _group("term", "SIGTERM'd launcher, the others wait silently", quick=True),
         _recover_group("recover", "node lost, the others in a gloo all_reduce"),
         _recover_group("recover-silent", "node lost, the others wait silently"),
