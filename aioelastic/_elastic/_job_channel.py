@@ -54,6 +54,7 @@ from typing import TypeVar
 import anyio
 
 from .._core.child._error_file import NOT_AVAILABLE
+from .._core.process._exit_status import exit_description
 from .._core.reports._failures import ProcessFailure
 from ._job_stacks import JobStacks, RankStack
 from ._rdzv_store import Store
@@ -546,7 +547,7 @@ def end_of_failure(
     # The last line says most (a traceback's exception); a bare exit description only
     # repeats the status.
     last = message.rsplit("\n", 1)[-1].strip()
-    summary = "" if last.startswith(("exited with code", "killed by")) else f" ({last})"
+    summary = "" if last == exit_description(failure.exitcode) else f" ({last})"
     return AttemptEnd(
         node=node,
         host=host,

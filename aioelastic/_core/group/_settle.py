@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 
 from ..child._error_file import NOT_AVAILABLE
+from ..process._exit_status import exit_description
 from ..reports._failures import ProcessFailure
 from ..reports._results import RunProcsResult
 from ..start._exit_watch import ExitNotSeen, ExitOutcome
@@ -186,7 +187,7 @@ def bare_failure(worker: WorkerProcess, message: str) -> ProcessFailure:
         pid=worker.pid,
         exitcode=worker.returncode,
         error_file=NOT_AVAILABLE,
-        message=message or f"exited with code {worker.returncode}",
+        message=message or exit_description(worker.returncode),
         timestamp=worker.exit_time or time.time(),
     )
 
