@@ -391,8 +391,9 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
         killed_at = running.kill_node(0, pids)
         ends = running.finish()
         took = _ended_within(ends[1:], killed_at)
-        # The store's silence is given 10 s (an etcd election fails requests for up to 7 s).
-        assert all(t < 2 * BOUND for t in took), took
+        # c10d's store refuses once its launcher is gone: no election to wait out, so the
+        # others end as fast as after any failure (etcd's is given 10 s; see test_etcd).
+        assert all(t < BOUND for t in took), took
         assert wait_gone(list(pids.values()), 10) == []
     for node in (1, 2):
         launcher = running.launchers[node]

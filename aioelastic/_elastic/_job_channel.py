@@ -63,6 +63,7 @@ from ._rdzv_thread import SerialThread
 __all__ = [
     "BEAT",
     "DEAD_AFTER",
+    "SINGLE_STORE_LOST_AFTER",
     "STORE_LOST_AFTER",
     "STACKS_TIMEOUT",
     "AttemptEnd",
@@ -86,6 +87,14 @@ STORE_LOST_AFTER = 10.0
 Longer than `DEAD_AFTER`: an etcd cluster that loses its leader fails the requests caught
 in the election after its request timeout (5 s plus two election timeouts: 7 s at etcd's
 defaults) and then answers again; that is not a lost store.
+"""
+
+SINGLE_STORE_LOST_AFTER = 1.0
+"""Seconds a store with no replicas (c10d's, in the first node's launcher) may fail.
+
+Its failures are not an election's: refused or reset connections mean that its process is
+gone, and nothing brings it back. Two beats, so that one failed call is not yet a loss. A
+call that hangs still has `STORE_LOST_AFTER`: a host under load may answer late.
 """
 
 STACKS_TIMEOUT = 10.0
@@ -202,6 +211,9 @@ class JobChannel:
         dead_after: seconds of stillness after which a watched node is lost (`DEAD_AFTER`).
         store_lost_after: seconds of store failures after which the attempt ends
             (`STORE_LOST_AFTER`); also the bound of each store call.
+        failing_lost_after: seconds of store calls that fail (not hang) after which the
+            attempt ends; `store_lost_after` unless given (`SINGLE_STORE_LOST_AFTER` for
+            a store with no replicas).
     """
 
     def __init__(
@@ -216,6 +228,7 @@ class JobChannel:
         beat: float = BEAT,
         dead_after: float = DEAD_AFTER,
         store_lost_after: float = STORE_LOST_AFTER,
+        failing_lost_after: float | None = None,
     ) -> None:
         self._store = store
         self._scope = scope
@@ -226,6 +239,9 @@ class JobChannel:
         self.beat = beat
         self.dead_after = dead_after
         self.store_lost_after = store_lost_after
+        self.failing_lost_after = (
+            store_lost_after if failing_lost_after is None else failing_lost_after
+        )
         self._thread = SerialThread(f"aioelastic-job-{scope}")
         # The ring: the next node this one watches, its counter and when it last moved.
         self._watched = (node + 1) % nodes
@@ -283,8 +299,10 @@ class JobChannel:
                 # once it answers again, not across the outage.
                 self._watched_since = math.inf
                 # A beat that hung for store_lost_after already counts as that long.
-                if isinstance(e, TimeoutError) or now - failing_since >= self.store_lost_after:
-                    return self._store_lost(e)
+                if isinstance(e, TimeoutError):
+                    return self._store_lost(e, self.store_lost_after)
+                if now - failing_since >= self.failing_lost_after:
+                    return self._store_lost(e, now - failing_since)
                 logger.debug("job channel beat failed: %s", e)
                 continue
             failing_since = None
@@ -513,14 +531,14 @@ class JobChannel:
         """Let the channel's thread end (an abandoned store call finishes first)."""
         self._thread.close()
 
-    def _store_lost(self, error: BaseException) -> AttemptEnd:
+    def _store_lost(self, error: BaseException, lasted: float) -> AttemptEnd:
         why = "no answer" if isinstance(error, TimeoutError) else f"{type(error).__name__}"
         return AttemptEnd(
             node=self.node,
             host=self.host,
             reason=EndReason.STORE_LOST,
             detail=(
-                f"the rendezvous store gave {why} for {self.store_lost_after:g} s; with c10d it "
+                f"the rendezvous store gave {why} for {lasted:.1f} s; with c10d it "
                 "lives in the first node's launcher, a single point of failure: use "
                 "--rdzv-backend etcd-v2 (or etcd) for a job that must survive it"
             ),

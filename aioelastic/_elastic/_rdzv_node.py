@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from . import _rdzv_reform as reform
-from ._job_channel import AttemptEnd, EndReason, JobChannel
+from ._job_channel import SINGLE_STORE_LOST_AFTER, AttemptEnd, EndReason, JobChannel
 from ._rdzv_handlers import connection_errors_explained
 from ._rdzv_store import Store, WorkerStoreHost, free_port
 from ._rdzv_thread import SerialThread, on_daemon_thread
@@ -309,6 +309,11 @@ class Rendezvous:
                 nodes=info.world_size,
                 host=host,
                 restarts=restarts,
+                # etcd's cluster fails requests through an election and answers again;
+                # the others' store lives in one launcher, and once it refuses it is gone.
+                failing_lost_after=None
+                if self.backend in ("etcd", "etcd-v2")
+                else SINGLE_STORE_LOST_AFTER,
             )
             return RendezvousOutcome(
                 store=info.store,
