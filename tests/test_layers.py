@@ -138,6 +138,7 @@ CORE_ROOMS: list[tuple[str, set[str]]] = [
             "_std",
             "_subreaper",
             "_to_the_end",
+            "_tty_readers",
             "_values",
         },
     ),
