@@ -160,7 +160,7 @@ CORE_ROOMS: list[tuple[str, set[str]]] = [
         "processes: start and exit",
         {"_binary_start", "_exit_watch", "_forkserver", "_launchers", "_watchdog"},
     ),
-    ("output", {"_frames", "_logs", "_output", "_terminal"}),
+    ("output", {"_frames", "_logs", "_output", "_stdin_router", "_terminal"}),
     ("the worker record and its teardown", {"_teardown", "_worker"}),
     ("hangs", {"_fifo", "_hangs", "_stacks", "_stall", "_timer_server"}),
     (

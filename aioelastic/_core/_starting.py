@@ -35,6 +35,7 @@ from ._preparing import GroupFiles, Prepared
 from ._result_pipe import ResultReceiver
 from ._runtime import runtime
 from ._std import Std
+from ._stdin_router import StdinRouter
 from ._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
 from ._validate import GroupSpec
 from ._watchdog import watchdog
@@ -138,6 +139,7 @@ class GroupStarter:
         self._on_exit = on_exit
         self._run_io = run_io
         self._terminals = ConsoleTerminals.probe()
+        self._router: StdinRouter | None = None
         #: The starts that failed, by rank, in the order seen: the first one is raised.
         self.errors: list[tuple[int, BaseException]] = []
 
@@ -242,11 +244,29 @@ class GroupStarter:
         worker.stderr.start()
         if opening.stdio.uses_terminal:
             self._run_io(opening.stdio.serve, launched.pid)
+        if opening.stdio.stdin_master is not None:
+            streams = (worker.stdout, worker.stderr)
+            target = opening.stdio.stdin_target(rank, self._label(rank), launched.pid, streams)
+            self._run_io(self._stdin_router().attach, target)
         if worker.result is not None:
             self._run_io(worker.result.run)
         if launched.payload_fd is not None:
             assert isinstance(opening.prepared.payload, bytes)
             self._run_io(feed_payload, launched.payload_fd, opening.prepared.payload)
+
+    def _stdin_router(self) -> StdinRouter:
+        """The router of typed input to this start's workers, run from its first use."""
+        if self._router is None:
+            self._router = StdinRouter(alone=self.spec.nprocs == 1)
+            self._run_io(self._router.run)
+        return self._router
+
+    def _label(self, rank: int) -> str:
+        """How the console names the worker of local rank ``rank``."""
+        ranks = self._output.ranks
+        if ranks is None:
+            return f"local rank {rank}"
+        return f"rank {ranks[rank]} (local rank {rank})"
 
     def _pump_settings(self, rank: int, stream: Std) -> dict[str, Any]:
         spec = self.spec
