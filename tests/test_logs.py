@@ -1131,6 +1131,36 @@ def test_alone_at_a_terminal_a_prompt_is_shown_at_once_on_its_line() -> None:
         Framer(b"[w0]:", console=True, keep_tail=False, live=Live.EVERYTHING)
 
 
+def test_a_prompt_held_back_is_shown_at_once_when_its_worker_gets_the_keyboard() -> None:
+    # One of several workers at a terminal: its prompt waits, like any partial line,
+    # until the stdin router finds it reading and raises it to Live.EVERYTHING.
+    framer = Framer(b"", console=True, keep_tail=True, live=Live.FRAMES)
+    assert framer.feed(b"(Pdb) ") == b""
+    assert framer.set_live(Live.EVERYTHING) == b"(Pdb) "
+    assert not framer.holding
+    assert framer.raw_text_shown
+    # The typed line's Enter was echoed by the terminal: the prompt's line is over, and
+    # the worker's answer is not printed after an empty line.
+    framer.end_shown_line()
+    assert not framer.raw_text_shown
+    assert framer.feed(b"42\n(Pdb) ") == b"42\n(Pdb) "
+    # Back to Live.FRAMES (it went on, another worker reads): text shown stays shown,
+    # and only the rest of its line follows, once complete or at the flush delay.
+    assert framer.set_live(Live.FRAMES) == b""
+    assert framer.feed(b"c") == b""
+    assert framer.flush() == b"c\n"
+    assert framer.feed(b"more\n") == b"more\n"
+    assert framer.tail_lines() == [b"(Pdb) ", b"42", b"(Pdb) c", b"more"]
+
+
+def test_a_prefixed_stream_never_shows_partial_lines_raw() -> None:
+    framer = Framer(b"[w1]:", console=True, keep_tail=False, live=Live.FRAMES)
+    assert framer.feed(b"name? ") == b""
+    assert framer.set_live(Live.EVERYTHING) == b""
+    assert framer.live is Live.FRAMES
+    assert framer.flush() == b"[w1]:name? \n"
+
+
 def test_a_thousand_frames_leave_one_line_in_the_tail() -> None:
     framer = Framer(b"", console=False, keep_tail=True)
     for i in range(1000):

@@ -137,8 +137,8 @@ def test_workers_see_a_terminal_of_the_real_size(terminal: type[Terminal]) -> No
     )
     assert [s["rank"] for s in seen] == ["0", "1"], term.text()
     for s in seen:
-        # stdin is /dev/null with two workers (which rank would a typed line go to?)
-        assert s["isatty"] == [False, True, True]
+        # stdin too: each worker's is its stdout pty, fed by the stdin router.
+        assert s["isatty"] == [True, True, True]
         assert s["size"] == [123, 45]
 
 
@@ -284,6 +284,133 @@ def test_breakpoint_in_a_single_worker_is_a_working_debugger(terminal: type[Term
     assert term.finish() == 0, term.text()
 
 
+#: The ways a worker is started: a script through the watchdog (python), a function
+#: worker of each start method running it (--run-path), and a fork of a warm server.
+START_PATHS = {
+    "python": [],
+    "run-path-spawn": ["--run-path", "--start-method", "spawn"],
+    "run-path-fork": ["--run-path", "--start-method", "fork"],
+    "run-path-forkserver": ["--run-path", "--start-method", "forkserver"],
+    "preload": ["--preload", "json"],
+}
+
+
+@pytest.fixture
+def fifo(tmp_path: Path) -> str:
+    path = tmp_path / "rank0"
+    os.mkfifo(path)
+    return str(path)
+
+
+@pytest.fixture
+def fifos(tmp_path: Path) -> list[str]:
+    paths = [tmp_path / "go", tmp_path / "answer"]
+    for path in paths:
+        os.mkfifo(path)
+    return [str(path) for path in paths]
+
+
+def _note(rank: int) -> bytes:
+    """The line that says where typing goes, as a regex."""
+    return rb"\[aioelastic\] stdin: typing goes to rank %d \(local rank %d\)\r\n" % (rank, rank)
+
+
+@pytest.mark.parametrize("start", START_PATHS.values(), ids=START_PATHS.keys())
+def test_the_rank_that_asks_for_input_gets_what_is_typed(
+    terminal: type[Terminal], fifos: list[str], start: list[str]
+) -> None:
+    term = terminal(["--nproc-per-node", "2", *start, SCRIPT, "rank1_asks", *fifos])
+    # Rank 0's line, the note, then rank 1's prompt (input() writes it to stderr) on its
+    # line.
+    term.wait_for(rb"rank 0 waits for rank 1\r\n" + _note(1) + rb"name\? $")
+    term.type(b"Bob\r")
+    term.wait_for(rb"name\? Bob\r\nrank 1 got 'Bob'\r\n")
+    term.wait_for(rb"rank 0 heard 'Bob'\r\n")
+    assert term.finish() == 0, term.text()
+    # Typed once, echoed once by the terminal; no empty line after the prompt's line.
+    assert term.data.count(b"Bob") == 3, term.text()
+    assert b"\r\n\r\n" not in term.data, term.text()
+
+
+def test_breakpoint_in_rank_1_of_two_is_a_working_debugger(
+    terminal: type[Terminal], fifo: str
+) -> None:
+    term = terminal(["--nproc-per-node", "2", SCRIPT, "rank1_pdb", fifo])
+    term.wait_for(_note(1) + rb"\(Pdb\) $")
+    term.type(b"p x * 7\r")
+    term.wait_for(rb"\(Pdb\) p x \* 7\r\n42\r\n\(Pdb\) $")
+    term.type(b"answer = 36\r")
+    term.wait_for(rb"\(Pdb\) answer = 36\r\n\(Pdb\) $")
+    term.type(b"c\r")
+    term.wait_for(rb"answer is 42\r\n")
+    term.wait_for(rb"rank 0 heard 'continued'\r\n")
+    assert term.finish() == 0, term.text()
+    # One session, one note: the debugger kept the keyboard between its commands.
+    assert term.data.count(b"typing goes to") == 1, term.text()
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("start", [[], ["--preload", "torch"]], ids=["python", "preload"])
+def test_torch_distributed_breakpoint_on_rank_1_of_a_gloo_job(
+    terminal: type[Terminal], start: list[str]
+) -> None:
+    script = str(REPO / "tests" / "children" / "dist_breakpoint.py")
+    term = terminal(["--nproc-per-node", "2", *start, script])
+    # torch's debugger reads open("/dev/stdin"): a descriptor of its own on rank 1's pty.
+    term.wait_for(_note(1) + rb"\(Pdb\) $", timeout=180)
+    term.type(b"up\r")
+    term.wait_for(rb"dist\.breakpoint\(rank=1\)\r\n\(Pdb\) $")
+    term.type(b"p secret.item(), dist.get_rank()\r")
+    term.wait_for(rb"\r\n\(14\.0, 1\)\r\n\(Pdb\) $")
+    term.type(b"c\r")
+    # Rank 0 waited in the barrier after the breakpoint; both finish the all-reduce.
+    term.wait_for(rb"rank 0 sum 21\r\n", timeout=120)
+    term.wait_for(rb"rank 1 sum 21\r\n")
+    assert term.finish(timeout=120) == 0, term.text()
+
+
+def test_two_ranks_asking_take_turns_first_come_first_served(
+    terminal: type[Terminal], fifo: str
+) -> None:
+    term = terminal(["--nproc-per-node", "2", SCRIPT, "both_ask", fifo])
+    term.wait_for(_note(0) + rb"rank 0 asks\? $")
+    # Rank 1 asks too, while rank 0 owns the keyboard: its prompt waits on a line of its own.
+    with open(fifo, "w") as go:
+        go.write("ask")
+    term.wait_for(rb"rank 1 asks\? \r\n")
+    term.type(b"first\r")
+    term.wait_for(rb"rank 0 got 'first'\r\n")
+    # Rank 0 is done: the keyboard goes to rank 1, whose prompt is shown again.
+    term.wait_for(_note(1) + rb"rank 1 asks\? $")
+    term.type(b"second\r")
+    term.wait_for(rb"rank 1 got 'second'\r\n")
+    assert term.finish() == 0, term.text()
+
+
+def test_ctrl_c_still_stops_the_job_while_a_rank_waits_for_input(
+    terminal: type[Terminal], fifos: list[str]
+) -> None:
+    term = terminal(["--nproc-per-node", "2", SCRIPT, "rank1_asks", *fifos])
+    term.wait_for(_note(1) + rb"name\? $")
+    term.type(b"\x03")  # the terminal makes it SIGINT for the launcher's process group
+    assert term.finish() == 130, term.text()
+    assert b"rank 1 got" not in term.data
+
+
+def test_not_at_a_terminal_several_workers_read_dev_null(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2", SCRIPT, "stdin"],
+        cwd=REPO,
+        capture_output=True,
+        input=b"nobody reads this\n",
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == [b"STDIN /dev/null ''"] * 2
+
+
 @pytest.mark.parametrize(
     ("stdout_tty", "stderr_tty"), [(False, False), (True, False), (False, True), (True, True)]
 )
@@ -321,7 +448,8 @@ def test_a_plain_stream_gets_a_pty_exactly_when_the_group_saw_a_terminal_there(
             os.close(fd)
 
 
-def test_the_console_probe_reports_each_of_the_three_streams() -> None:
+@pytest.mark.parametrize("foreground", [True, False])
+def test_the_console_probe_reports_each_of_the_three_streams(foreground: bool) -> None:
     master, slave = os.openpty()
     try:
         probe = (
@@ -335,8 +463,11 @@ def test_the_console_probe_reports_each_of_the_three_streams() -> None:
             stderr=slave,
             timeout=60,
             check=True,
+            start_new_session=True,
+            preexec_fn=_take_terminal if foreground else None,
         )
     finally:
         os.close(slave)
         os.close(master)
-    assert proc.stdout.split() == [b"True", b"False", b"True"]
+    # stdin counts only as the foreground job's terminal: what is typed there is ours.
+    assert proc.stdout.split() == [str(foreground).encode(), b"False", b"True"]

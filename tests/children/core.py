@@ -258,3 +258,8 @@ def whoami(key: str) -> dict[str, Any]:
         "comm": comm,
         "cwd": os.getcwd(),
     }
+
+
+def stdin_line() -> tuple[bool, str, int]:
+    """Whether stdin is a terminal, the line read from it, and this worker's pid."""
+    return os.isatty(0), sys.stdin.readline(), os.getpid()

@@ -58,6 +58,65 @@ def cmd_pdb(args: list[str]) -> None:
     print(f"answer is {answer}", flush=True)
 
 
+def cmd_stdin(args: list[str]) -> None:
+    """Print what stdin is and what reading it gives."""
+    del args
+    print(f"STDIN {os.readlink('/proc/self/fd/0')} {sys.stdin.read()!r}", flush=True)
+
+
+def cmd_rank1_asks(args: list[str]) -> None:
+    """Rank 1 asks for a name with input() and greets it; rank 0 waits for it meanwhile.
+
+    Rank 0 prints that it waits, then tells rank 1 to ask through the FIFO ``args[0]``
+    (so its line is out before the prompt), and stays running, not reading stdin, until
+    rank 1 sends the name through the FIFO ``args[1]``.
+    """
+    if os.environ["RANK"] == "1":
+        with open(args[0]) as go:
+            go.read()
+        name = input("name? ")
+        print(f"rank 1 got {name!r}", flush=True)
+        with open(args[1], "w") as fifo:
+            fifo.write(name)
+    else:
+        print("rank 0 waits for rank 1", flush=True)
+        with open(args[0], "w") as go:
+            go.write("ask")
+        with open(args[1]) as fifo:
+            print(f"rank 0 heard {fifo.read()!r}", flush=True)
+
+
+def cmd_rank1_pdb(args: list[str]) -> None:
+    """Rank 1 stops in ``breakpoint()``; what the session leaves in ``answer`` is printed.
+
+    Rank 0 waits on the FIFO ``args[0]`` until rank 1 has continued.
+    """
+    if os.environ["RANK"] == "1":
+        x = 6
+        answer = 0
+        breakpoint()
+        print(f"answer is {answer + x}", flush=True)
+        with open(args[0], "w") as fifo:
+            fifo.write("continued")
+    else:
+        with open(args[0]) as fifo:
+            print(f"rank 0 heard {fifo.read()!r}", flush=True)
+
+
+def cmd_both_ask(args: list[str]) -> None:
+    """Each rank asks once, after printing ``asks``; rank 1 only once rank 0 is asking.
+
+    Rank 0 prints ``rank 0 asks``, then asks; rank 1 waits for the FIFO ``args[0]`` (which
+    the test opens once rank 0's prompt is up), then asks too. Each prints what it got.
+    """
+    rank = os.environ["RANK"]
+    if rank == "1":
+        with open(args[0]) as fifo:
+            fifo.read()
+    line = input(f"rank {rank} asks? ")
+    print(f"rank {rank} got {line!r}", flush=True)
+
+
 def cmd_winch(args: list[str]) -> None:
     """Print the window size on each SIGWINCH; exit after ``args[0]`` of them."""
     left = int(args[0])

@@ -176,6 +176,7 @@ def forked_worker(
     payload: bytes | None = None,
     payload_fd: int | None = None,
     signals_reset: bool = False,
+    stdin_fd: int | None = None,
 ) -> NoReturn:
     """Body of a child made by ``fork()``; never returns.
 
@@ -183,7 +184,8 @@ def forked_worker(
     ``multiprocessing``'s fork); a fork server passes the pickled call as ``payload``
     (received with the start request), or ``payload_fd`` to read a large one from.
     ``signals_reset``: the child ran :func:`reset_inherited_signal_state` already (a
-    spare does, while it waits for its call).
+    spare does, while it waits for its call). ``stdin_fd``: the worker's stdin (a
+    terminal's pty); ``None``: ``/dev/null``.
     """
     code = 1
     try:
@@ -196,13 +198,15 @@ def forked_worker(
             keep.add(stdout_fd)
         if payload_fd is not None:
             keep.add(payload_fd)
+        if stdin_fd is not None:
+            keep.add(stdin_fd)
         for fd in close_fds:
             if fd not in keep:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-        _redirect_stdio(stdout_fd, stderr_fd)
+        _redirect_stdio(stdout_fd, stderr_fd, stdin_fd)
         if call is None and payload is not None:
             call = pickle.loads(payload)
         elif call is None:
@@ -254,15 +258,16 @@ def adopt_environment(env: dict[str, str]) -> None:
             environ[key] = value
 
 
-def _redirect_stdio(stdout_fd: int | None, stderr_fd: int) -> None:
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.close(devnull)
-    if stdout_fd is not None:
-        os.dup2(stdout_fd, 1)
-        os.close(stdout_fd)
-    os.dup2(stderr_fd, 2)
-    os.close(stderr_fd)
+def _redirect_stdio(stdout_fd: int | None, stderr_fd: int, stdin_fd: int | None) -> None:
+    if stdin_fd is None:
+        stdin_fd = os.open(os.devnull, os.O_RDONLY)
+    moves = ((stdin_fd, 0), (stdout_fd, 1), (stderr_fd, 2))
+    for fd, target in moves:
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+    # One fd may be two streams (a pty that is both stdin and stdout): closed once.
+    for fd in {fd for fd, _ in moves if fd is not None and fd > 2}:
+        os.close(fd)
     # Fresh stream objects on the new fds: the inherited ones may be replaced objects
     # (a test runner's capture) or hold the parent's unflushed buffer.
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - lives as long as the process

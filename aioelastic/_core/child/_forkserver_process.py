@@ -8,20 +8,22 @@ cold start. The supervisor's handle on it, and what it is for, is
 
 Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_RIGHTS):
 
-* client -> server ``C<pickled call>`` + fds [answer, stderr_w, result_w, status_w,
-  stdout_w]: fork a worker; the server answers ``P<pid>`` on ``answer``, a socket of this
-  request's own, and closes it. Requests are pipelined: the supervisor's event loop sends
-  every worker's request at once and reads each answer from its socket (no thread, and
-  the server forks back to back instead of waiting for a round trip per worker); an
-  end-of-file on ``answer`` before an answer means the server died. The call travels in
-  the message, so the worker finds it in the memory it shares with the server at the
-  fork and unpickles it at once: no pipe, and no wait for the supervisor's event loop to
-  write one. The server
-  keeps ``status_w`` and writes the exit status there when the worker exits (so the
-  supervisor waits on a pipe only it and the server hold).
-* client -> server ``S`` + fds [answer, stderr_w, result_w, status_w, stdout_w,
-  payload_r]: the same for a call too large for one message; the worker reads it from
-  ``payload_r``, which the supervisor feeds.
+* client -> server ``C<stdin><pickled call>`` + fds [answer, stderr_w, result_w, status_w,
+  stdout_w, stdin_r]: fork a worker. ``<stdin>`` is one byte: ``I`` when the worker's
+  stdin (a terminal's pty) is passed as ``stdin_r``, ``-`` when it is not (the fd list
+  then ends at ``stdout_w`` and the worker's stdin is ``/dev/null``). The server answers
+  ``P<pid>`` on ``answer``, a socket of this request's own, and closes it. Requests are
+  pipelined: the supervisor's event loop sends every worker's request at once and reads
+  each answer from its socket (no thread, and the server forks back to back instead of
+  waiting for a round trip per worker); an end-of-file on ``answer`` before an answer
+  means the server died. The call travels in the message, so the worker finds it in the
+  memory it shares with the server at the fork and unpickles it at once: no pipe, and no
+  wait for the supervisor's event loop to write one. The server keeps ``status_w`` and
+  writes the exit status there when the worker exits (so the supervisor waits on a pipe
+  only it and the server hold).
+* client -> server ``S<stdin>`` + fds [answer, stderr_w, result_w, status_w, stdout_w,
+  stdin_r, payload_r]: the same for a call too large for one message; the worker reads
+  it from ``payload_r``, which the supervisor feeds.
 * client -> server ``R<pid>``: reap that worker now (no answer).
 * client -> server ``W<count>``: keep ``count`` spare workers (at most ``MAX_SPARES``):
   forked ahead while the server is idle, each waits on a socket of its own and becomes
@@ -62,8 +64,10 @@ from ._preload import UnforkablePreloadError, import_preload
 
 _MAX_MSG = 1 << 16
 #: The largest pickled call sent inside a start request (the rest of ``_MAX_MSG`` is the
-#: request's kind); a larger one goes through a pipe.
-INLINE_CALL_MAX = _MAX_MSG - 1
+#: request's kind and stdin byte); a larger one goes through a pipe.
+INLINE_CALL_MAX = _MAX_MSG - 2
+#: The stdin byte of a start request: the worker's stdin is passed, or it is /dev/null.
+WITH_STDIN, WITHOUT_STDIN = b"I", b"-"
 
 _PYTHON_IGNORES = (signal.SIGPIPE, signal.SIGXFSZ)
 """Signals a fresh interpreter ignores (CPython's startup); all others start at default."""
@@ -196,6 +200,7 @@ class _Handoff:
     #: The request's fds, as received: [answer, stderr_w, result_w, status_w, stdout_w, ...].
     fds: list[int]
     call: bytes | None
+    has_stdin: bool
     #: When an unacknowledged hand-off is given up (the spare is killed).
     deadline: float
 
@@ -211,7 +216,7 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
     # Done while idle, not once the call came: a quarter of a worker's way to its function.
     reset_inherited_signal_state()
     try:
-        msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 4)
+        msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 5)
     except OSError:
         os._exit(0)
     if not msg:
@@ -222,15 +227,17 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
         os._exit(0)  # the server gave up on us
     _platform.set_process_name(name)
     stderr_w, result_w, stdout_w, *rest = fds
+    stdin_r = rest.pop(0) if msg[1:2] == WITH_STDIN else None
     forked_worker(
         parent_pid=server_pid,
         stdout_fd=stdout_w,
         stderr_fd=stderr_w,
         result_fd=result_w,
         close_fds=[sock.fileno()],
-        payload=msg[1:] if msg[:1] == b"C" else None,
+        payload=msg[2:] if msg[:1] == b"C" else None,
         payload_fd=rest[0] if rest else None,
         signals_reset=True,
+        stdin_fd=stdin_r,
     )
 
 
@@ -325,7 +332,8 @@ class _Server:
         return True
 
     def _start_request(self, kind: bytes, msg: bytes, fds: list[int], flags: int) -> None:
-        expected = 5 if kind == b"C" else 6
+        has_stdin = msg[1:2] == WITH_STDIN
+        expected = (5 if kind == b"C" else 6) + has_stdin
         problem = None
         if len(fds) < expected:
             # The kernel drops passed fds it cannot install here (MSG_CTRUNC).
@@ -337,7 +345,7 @@ class _Server:
         elif flags & socket.MSG_TRUNC:
             problem = f"a start request exceeded the fork server's {_MAX_MSG} bytes"
         if problem is None:
-            self._fork_worker(fds, msg[1:] if kind == b"C" else None)
+            self._fork_worker(fds, msg[2:] if kind == b"C" else None, has_stdin)
             return
         answer_fd, *rest = fds or [-1]
         for received in rest:
@@ -381,9 +389,10 @@ class _Server:
                 )
         return self._main_error
 
-    def _fork_worker(self, fds: list[int], call: bytes | None) -> None:
+    def _fork_worker(self, fds: list[int], call: bytes | None, has_stdin: bool) -> None:
         self._spares_failed = False
         answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = fds
+        stdin_r = rest.pop(0) if has_stdin else None
         payload_r = rest[0] if rest else None
         problem = self._main_ready(call)
         if problem is not None:
@@ -391,7 +400,7 @@ class _Server:
                 os.close(received)
             _answer_error(answer_fd, problem)
             return
-        if self._hand_to_spare(fds, call):
+        if self._hand_to_spare(fds, call, has_stdin):
             return
         private = [*self._private_fds(), *fds]
         server_pid = os.getpid()
@@ -413,6 +422,7 @@ class _Server:
                     close_fds=private,
                     payload=call,
                     payload_fd=payload_r,
+                    stdin_fd=stdin_r,
                 )
             finally:
                 # Never carry on as a second copy of the server loop, on its socket.
@@ -421,7 +431,7 @@ class _Server:
             os.setpgid(pid, pid)
         except OSError:
             pass
-        for fd in (payload_r, stderr_w, result_w, stdout_w):
+        for fd in (payload_r, stderr_w, result_w, stdout_w, stdin_r):
             if fd is not None:
                 os.close(fd)
         self._watch_worker(pid, answer_fd, status_w)
@@ -484,7 +494,7 @@ class _Server:
         self._selector.unregister(spare.sock)
         self._discard_spare(spare)
 
-    def _hand_to_spare(self, fds: list[int], call: bytes | None) -> bool:
+    def _hand_to_spare(self, fds: list[int], call: bytes | None, has_stdin: bool) -> bool:
         """Give a start request to a spare; whether one took it (its answer comes later).
 
         The request counts once the spare acknowledges it (:meth:`_handoff_answered`):
@@ -497,13 +507,15 @@ class _Server:
         while self._spares:
             spare = self._spares.pop()
             self._selector.unregister(spare.sock)
-            message = b"S" if call is None else b"C" + call
+            stdin = WITH_STDIN if has_stdin else WITHOUT_STDIN
+            message = b"S" + stdin if call is None else b"C" + stdin + call
             try:
                 socket.send_fds(spare.sock, [message], [stderr_w, result_w, stdout_w, *rest])
             except OSError:
                 self._discard_spare(spare)  # died idle: try the next
                 continue
-            handoff = _Handoff(spare, fds, call, time.monotonic() + _SPARE_ACK_TIMEOUT)
+            deadline = time.monotonic() + _SPARE_ACK_TIMEOUT
+            handoff = _Handoff(spare, fds, call, has_stdin, deadline)
             self._handoffs[spare.pid] = handoff
             self._selector.register(spare.sock, selectors.EVENT_READ, handoff)
             return True
@@ -522,7 +534,7 @@ class _Server:
             # Dead (or stopped past the timeout): the request goes to the next spare or
             # to a fork, with the fds we still hold.
             self._discard_spare(spare)
-            self._fork_worker(handoff.fds, handoff.call)
+            self._fork_worker(handoff.fds, handoff.call, handoff.has_stdin)
             return
         spare.sock.close()
         answer_fd, stderr_w, result_w, status_w, stdout_w, *rest = handoff.fds

@@ -12,8 +12,8 @@ with ``-m``), unbuffered stdout and stderr as under ``-u`` — and ends as one w
 SIGINT, non-daemon threads are joined and ``atexit`` handlers run first.
 
 What cannot be the same under ``--preload``: the modules the server preloaded (and the
-launcher's own, such as ``aioelastic``) are already imported, and stdin is ``/dev/null`` (a
-forked worker never reads the terminal).
+launcher's own, such as ``aioelastic``) are already imported. stdin is what any worker
+gets: a pty fed by the stdin router at a terminal, else ``/dev/null``.
 """
 
 from __future__ import annotations

@@ -257,6 +257,7 @@ class ForkMethod(_FunctionMethod):
             opening.err_w,
             opening.res_w,
             private,
+            opening.stdin,
         )
 
 
@@ -269,7 +270,7 @@ class ForkServerMethod(_FunctionMethod):
         assert isinstance(prepared.payload, bytes)
         server = fork_server(self._spec.forkserver_preload)
         return await server.start_worker(
-            opening.out_w, opening.err_w, opening.res_w, prepared.payload
+            opening.out_w, opening.err_w, opening.res_w, prepared.payload, opening.stdin
         )
 
     def after_group(self) -> None:

@@ -28,6 +28,7 @@ from ..child._result_pipe import ResultReceiver
 from ..hangs._guard import HangGuard
 from ..output._collapse import Collapser
 from ..output._logs import StreamPump
+from ..output._stdin_router import StdinRouter
 from ..output._stream import OutputHub, StreamOutput
 from ..output._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
 from ..process._console import ConsoleSink, StreamName, console
@@ -143,6 +144,7 @@ class GroupStarter:
         self._run_io = run_io
         self._collapsers = collapsers or {}
         self._terminals = ConsoleTerminals.probe()
+        self._router: StdinRouter | None = None
         #: The starts that failed, by rank, in the order seen: the first one is raised.
         self.errors: list[tuple[int, BaseException]] = []
 
@@ -247,11 +249,29 @@ class GroupStarter:
         worker.stderr.start()
         if opening.stdio.uses_terminal:
             self._run_io(opening.stdio.serve, launched.pid)
+        if opening.stdio.stdin_master is not None:
+            streams = (worker.stdout, worker.stderr)
+            target = opening.stdio.stdin_target(rank, self._label(rank), launched.pid, streams)
+            self._run_io(self._stdin_router().attach, target)
         if worker.result is not None:
             self._run_io(worker.result.run)
         if launched.payload_fd is not None:
             assert isinstance(opening.prepared.payload, bytes)
             self._run_io(feed_payload, launched.payload_fd, opening.prepared.payload)
+
+    def _stdin_router(self) -> StdinRouter:
+        """The router of typed input to this start's workers, run from its first use."""
+        if self._router is None:
+            self._router = StdinRouter(alone=self.spec.nprocs == 1)
+            self._run_io(self._router.run)
+        return self._router
+
+    def _label(self, rank: int) -> str:
+        """How the console names the worker of local rank ``rank``."""
+        ranks = self._output.ranks
+        if ranks is None:
+            return f"local rank {rank}"
+        return f"rank {ranks[rank]} (local rank {rank})"
 
     def _pump_settings(self, rank: int, stream: Std) -> dict[str, Any]:
         spec = self.spec

@@ -157,6 +157,51 @@ class Framer:
             out += self._show_raw()
         return out
 
+    @property
+    def prefixed(self) -> bool:
+        """Whether console lines get a prefix."""
+        return bool(self._prefix)
+
+    @property
+    def raw_text_shown(self) -> bool:
+        """Whether the console shows the start of a line as written, not ended yet."""
+        return self._shown_raw and self._shown > 0
+
+    @property
+    def live(self) -> Live:
+        """What is shown as soon as it arrives (see :class:`Live`)."""
+        return self._live
+
+    def set_live(self, live: Live) -> bytes:
+        """Show from now on what ``live`` says; return what the console should print now.
+
+        Turned to :attr:`Live.EVERYTHING`, held plain text (a prompt) is shown at once.
+        Turned back, plain text shown so far stays shown and the rest of its line
+        follows when it ends. :attr:`Live.EVERYTHING` is ignored with a prefix.
+        """
+        if live is Live.EVERYTHING and self._prefix:
+            return b""
+        self._live = live
+        if live is Live.EVERYTHING and self.holding and not self._is_frame():
+            return self._show_raw()
+        return b""
+
+    def end_shown_line(self) -> None:
+        """The console's line was ended elsewhere: the terminal echoed a typed newline.
+
+        Plain text shown as written (a prompt) then counts as a line of its own, so that
+        the stream's next newline, or its end, does not print an empty line.
+        """
+        if not self._shown_raw or self.holding:
+            return
+        line = bytes(self._partial)
+        self._partial.clear()
+        self._shown = 0
+        self._shown_raw = False
+        if self.keeps_tail:
+            self._tail_lines().append(_tail_entry(_last_drawn(line) or self._tail_frame))
+        self._tail_frame = b""
+
     def flush(self) -> bytes:
         """The flush delay expired: show what is held (see the module docstring)."""
         if not self.holding:
@@ -245,12 +290,15 @@ class Framer:
     def _emit_plain(self) -> bytes:
         """Print the held bytes as a line of their own (plain text, or a huge line)."""
         line = bytes(self._partial)
+        # Plain text shown raw before (live was turned down since) is not shown again.
+        shown = self._shown if self._shown_raw else 0
         self._partial.clear()
         self._shown = 0
+        self._shown_raw = False
         if self.keeps_tail:
             self._tail_lines().append(_tail_entry(_last_drawn(line) or self._tail_frame))
         self._tail_frame = b""
-        return self._framed(line + b"\n") if self._console else b""
+        return self._framed(line[shown:] + b"\n") if self._console else b""
 
     def _keep_tail(self, block: bytes) -> None:
         if not self.keeps_tail:

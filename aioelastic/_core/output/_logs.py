@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 
 from ..process._console import ConsoleSink
 from ..process._lazy_event import LazyEvent
@@ -81,6 +82,7 @@ class StreamPump:
         "closed",
         "last_chunk",
         "last_output",
+        "on_chunk",
     )
 
     def __init__(
@@ -123,6 +125,9 @@ class StreamPump:
         #: stall reports).
         self.last_output: float | None = None
         self.last_chunk = b""
+        #: Called with each chunk read, after it was passed on (the stdin router watches
+        #: for prompts this way); ``None``: nobody watches.
+        self.on_chunk: Callable[[bytes], None] | None = None
 
     def fileno(self) -> int | None:
         """The pipe's read end, ``None`` once closed."""
@@ -200,6 +205,40 @@ class StreamPump:
             room = self._console.room(loop)
             if room is not None:
                 self._pause(room)
+
+    def set_live(self, live: Live) -> None:
+        """Change what the console is shown as soon as it arrives (see :class:`Live`).
+
+        Raised to :attr:`Live.EVERYTHING`, a held prompt is shown at once; a stream with
+        a prefix stays as it is (its partial lines would be cut by the prefix).
+        """
+        self._put(self._framer.set_live(live))
+        if self._framer.live is Live.EVERYTHING and not self._framer.holding:
+            self._flush_at = math.inf
+
+    def put_note(self, note: bytes, prompt: bytes = b"") -> bool:
+        """Print a line of the supervisor's own on this stream's console, then ``prompt``.
+
+        ``prompt`` (the stream's last partial line, printed as a line of its own
+        already) is shown again as written, without a newline: only on a console stream
+        without a prefix, and only while nothing is held (a held prompt is shown by
+        :meth:`set_live`). Returns False when this stream has no console.
+        """
+        if self._console is None:
+            return False
+        self._put(note)
+        framer = self._framer
+        if prompt and not framer.prefixed and not framer.holding and not framer.raw_text_shown:
+            self._put(prompt)
+        return True
+
+    def typed_line_echoed(self) -> None:
+        """A line typed for this worker was echoed by the terminal, ending the shown line."""
+        self._framer.end_shown_line()
+
+    def raw_text_shown(self) -> bool:
+        """Whether the console shows a partial line of this stream as written (a prompt)."""
+        return self._framer.raw_text_shown
 
     def _on_deadline(self) -> None:
         self._timer = None
@@ -303,8 +342,12 @@ class StreamPump:
             self._append_to_log(chunk)
         if self._output is not None:
             self._output.feed(chunk)
-        if self._console is None and not self._framer.keeps_tail:
-            return
+        if self._console is not None or self._framer.keeps_tail:
+            self._frame(chunk)
+        if self.on_chunk is not None:
+            self.on_chunk(chunk)
+
+    def _frame(self, chunk: bytes) -> None:
         framer = self._framer
         held_from = framer.held_from if framer.holding else None
         self._put(framer.feed(chunk))

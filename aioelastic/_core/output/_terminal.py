@@ -15,11 +15,12 @@ Why not plain inheritance of the terminal (what torchrun does): N workers writin
 terminal cut each other's lines, and stderr would no longer pass through the supervisor,
 so a failure report could not quote it.
 
-stdin: with a single local worker the worker's stdin is its stdout pty, and the
-supervisor forwards what is typed on its own terminal into it while the supervisor is
-the terminal's foreground job, so ``input()`` and ``breakpoint()`` work (the real
-terminal does the echo and line editing; Ctrl-D is passed on as end-of-file). With
-several workers every stdin is ``/dev/null``: which rank should a typed line go to?
+stdin: when the supervisor's stdin is a terminal and the supervisor is its foreground job,
+every worker's stdin is a pty too: its stdout pty (else its stderr pty, else one of its
+own), so ``input()``, ``breakpoint()``, pdb and ``open("/dev/stdin")`` see a terminal.
+What is typed is routed by :mod:`._stdin_router`: to the one worker of a group of one, to
+the worker that reads in a group of several (the real terminal does the echo and line
+editing; Ctrl-D is passed on as end-of-file). Elsewhere every stdin is ``/dev/null``.
 
 The pty's output post-processing is turned off (no ``\\n`` to ``\\r\\n``): the bytes the
 worker writes are the bytes the real terminal gets, which does that translation itself.
@@ -28,7 +29,6 @@ worker writes are the bytes the real terminal gets, which does that translation 
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import os
 import signal
@@ -37,13 +37,10 @@ import termios
 import threading
 from dataclasses import dataclass, field
 
-import anyio
-
-from ..process._runtime import runtime
+from ..process._tty_readers import terminal_device
 from ._frames import Live
-
-#: End-of-file typed at the start of a line (VEOF), as the worker's pty expects it.
-_EOF = b"\x04"
+from ._logs import StreamPump
+from ._stdin_router import StdinTarget, in_foreground
 
 
 @dataclass
@@ -55,10 +52,12 @@ class WorkerStdio:
         stdout_w: The worker's stdout (pipe or pty slave), closed once it is started.
         stderr_r: Same for stderr.
         stderr_w: Same for stderr.
-        stdin: The worker's stdin, or ``None`` for ``/dev/null``.
+        stdin: The worker's stdin (a pty slave), or ``None`` for ``/dev/null``.
         live_stdout: What of stdout is passed on as soon as it arrives: frames at a pty,
             and partial lines as well when the worker is alone.
         live_stderr: Same for stderr.
+        stdin_master: Our copy of the master side of the worker's stdin pty, where typed
+            input is written (see :meth:`stdin_target`); ``None`` without a stdin pty.
     """
 
     stdout_r: int
@@ -68,9 +67,13 @@ class WorkerStdio:
     stdin: int | None = None
     live_stdout: Live = Live.OFF
     live_stderr: Live = Live.OFF
-    #: Our own copies of the pty masters, for the window size and stdin (see serve).
+    stdin_master: int | None = None
+    #: The stdin pty's device number (of the slave side: the master's is /dev/ptmx's).
+    stdin_device: int = -1
+    #: Our own copies of the pty masters, for the window size (see serve).
     _masters: list[int] = field(default_factory=list)
-    _forward_stdin_to: int | None = None
+    #: stdin is a pty of its own, not the stdout or stderr pty.
+    _stdin_alone: bool = False
 
     @property
     def uses_terminal(self) -> bool:
@@ -79,24 +82,46 @@ class WorkerStdio:
 
     def child_ends(self) -> list[int]:
         """The descriptors the worker gets; the supervisor closes them once it started."""
-        return [self.stdout_w, self.stderr_w]
+        ends = [self.stdout_w, self.stderr_w]
+        if self._stdin_alone and self.stdin is not None:
+            ends.append(self.stdin)
+        return ends
 
     def parent_ends(self) -> list[int]:
         """The descriptors the supervisor reads, and its private copies of pty masters."""
-        return [self.stdout_r, self.stderr_r, *self._masters]
+        ends = [self.stdout_r, self.stderr_r, *self._masters]
+        if self.stdin_master is not None:
+            ends.append(self.stdin_master)
+        return ends
+
+    def stdin_target(
+        self, local_rank: int, label: str, pid: int, streams: tuple[StreamPump, ...]
+    ) -> StdinTarget:
+        """Hand the stdin pty's master copy over to a :class:`StdinTarget` of the router.
+
+        From now on the router closes it (:meth:`StdinRouter.attach`).
+        """
+        assert self.stdin_master is not None
+        master, self.stdin_master = self.stdin_master, None
+        return StdinTarget(
+            local_rank,
+            label,
+            pid,
+            master,
+            self.stdin_device,
+            streams=streams,
+            drain=self._stdin_alone,
+        )
 
     async def serve(self, pid: int) -> None:
         """Keep the worker's terminals in step with the real one, until cancelled.
 
         Passes window-size changes on (and SIGWINCH to the worker's process group: the
-        pty is not its controlling terminal, so the kernel does not) and, for a single
-        worker, forwards what is typed. Closes the private master copies at the end.
+        pty is not its controlling terminal, so the kernel does not). Closes the private
+        master copies at the end.
         """
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._follow_window_size, pid)
-                if self._forward_stdin_to is not None:
-                    tg.start_soon(_forward_stdin, self._forward_stdin_to)
+            await self._follow_window_size(pid)
         finally:
             for fd in self._masters:
                 os.close(fd)
@@ -129,6 +154,12 @@ class ConsoleTerminals:
     Looked up once per group start (:meth:`probe`) and handed to every
     :func:`open_worker_stdio` of it: the answer does not change between the workers of
     one start, and asking the kernel twice per worker added up for hundreds of them.
+
+    Attributes:
+        stdin: stdin is a terminal and this process its foreground job: what is typed
+            there is ours to pass on.
+        stdout: stdout is a terminal.
+        stderr: stderr is a terminal.
     """
 
     stdin: bool
@@ -138,25 +169,27 @@ class ConsoleTerminals:
     @classmethod
     def probe(cls) -> ConsoleTerminals:
         """Ask the kernel about descriptors 0, 1 and 2 now."""
-        return cls(stdin=_isatty(0), stdout=_isatty(1), stderr=_isatty(2))
+        return cls(stdin=_isatty(0) and in_foreground(), stdout=_isatty(1), stderr=_isatty(2))
 
 
 def open_worker_stdio(
     *, stdout_plain: bool, stderr_plain: bool, single_worker: bool, terminals: ConsoleTerminals
 ) -> WorkerStdio:
-    """Create a worker's stdout and stderr: pipes, or ptys where the console is a terminal.
+    """Create a worker's stdout, stderr and stdin: pipes, or ptys at a terminal.
 
     Args:
         stdout_plain: The worker's stdout goes to the supervisor's stdout unprefixed
             (shown, neither tee'd nor redirected).
         stderr_plain: Same for stderr.
-        single_worker: The group has one worker: its stdin may be the terminal's.
+        single_worker: The group has one worker: its partial lines are shown at once.
         terminals: Which of the supervisor's streams are terminals (one
             :meth:`ConsoleTerminals.probe` per group start).
 
     Returns:
         The descriptors; a stream gets a pty when it is plain and the supervisor's
-        stream of the same name is a terminal, else a pipe, as outside a terminal.
+        stream of the same name is a terminal, else a pipe, as outside a terminal. stdin
+        is a pty when the supervisor's is a terminal it may read (see the module
+        documentation), else ``/dev/null``.
     """
     opened: list[int] = []
     try:
@@ -175,14 +208,32 @@ def open_worker_stdio(
             if is_pty:
                 stdio._masters.append(os.dup(master))
                 opened.append(stdio._masters[-1])
-        if out[2] and single_worker and terminals.stdin and _in_foreground():
-            stdio.stdin = stdio.stdout_w
-            stdio._forward_stdin_to = stdio._masters[0]
+        if terminals.stdin:
+            _open_stdin(stdio, out, err, opened)
         return stdio
     except BaseException:
         for fd in opened:
             os.close(fd)
         raise
+
+
+def _open_stdin(
+    stdio: WorkerStdio, out: tuple[int, int, bool], err: tuple[int, int, bool], opened: list[int]
+) -> None:
+    """Give the worker a stdin pty: its stdout's or stderr's, else one of its own."""
+    if out[2] or err[2]:
+        master, slave, _ = out if out[2] else err
+        stdio.stdin, stdio.stdin_device = slave, terminal_device(slave)
+        stdio.stdin_master = os.dup(master)
+        opened.append(stdio.stdin_master)
+        return
+    # Both streams are pipes (tee'd, redirected, or our own are not terminals): a pty for
+    # stdin alone. Its master is ours only; what the worker writes to it is dropped.
+    master, slave, _ = _open(True, opened)
+    stdio.stdin, stdio.stdin_master, stdio._stdin_alone = slave, master, True
+    stdio.stdin_device = terminal_device(slave)
+    stdio._masters.append(os.dup(master))
+    opened.append(stdio._masters[-1])
 
 
 def _open(pty: bool, opened: list[int]) -> tuple[int, int, bool]:
@@ -203,60 +254,9 @@ def _open(pty: bool, opened: list[int]) -> tuple[int, int, bool]:
     return master, slave, True
 
 
-async def _forward_stdin(master: int) -> None:
-    """Copy what is typed on our terminal into the worker's pty, line by line.
-
-    One forwarder at a time (two single-worker groups side by side in one program): the
-    later one leaves its worker's stdin without input rather than race for the lines.
-    """
-    if runtime.stdin_forwarded:
-        return
-    runtime.stdin_forwarded = True
-    try:
-        await _forward_stdin_lines(master)
-    finally:
-        runtime.stdin_forwarded = False
-
-
-async def _forward_stdin_lines(master: int) -> None:
-    while True:
-        await anyio.wait_readable(0)
-        if not _in_foreground():
-            # Reading the terminal as a background job would stop us (SIGTTIN), and
-            # what is typed now belongs to the foreground job.
-            return
-        try:
-            data = os.read(0, 4096)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EINTR):
-                continue
-            return
-        await _write_all(master, data or _EOF)
-        if not data:
-            return
-
-
-async def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view) :]
-        except BlockingIOError:
-            await anyio.wait_writable(fd)
-        except OSError:
-            return  # the worker is gone
-
-
 def _isatty(fd: int) -> bool:
     try:
         return os.isatty(fd)
-    except OSError:
-        return False
-
-
-def _in_foreground() -> bool:
-    try:
-        return os.tcgetpgrp(0) == os.getpgrp()
     except OSError:
         return False
 

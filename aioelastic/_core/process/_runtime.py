@@ -11,8 +11,7 @@ Most state belongs to one run (a process context, an agent). A few things belong
   (:mod:`aioelastic._core.start._exit_watch`);
 * the subreaper flag, the children aioelastic started itself, and the token that marks
   the environment of this process's workers (:mod:`aioelastic._core.process._subreaper`);
-* whether a worker's terminal is being fed our stdin
-  (:mod:`aioelastic._core.output._terminal`);
+* whether a group's stdin router reads our terminal (:mod:`aioelastic._core.output._stdin_router`);
 * whether stale temporary log roots were swept (:mod:`aioelastic._core.process._log_root`).
 
 The watchdog (:mod:`aioelastic._core.start._watchdog`) is one object for the process's
@@ -86,7 +85,7 @@ class Runtime:
         self.worker_leaders: set[int] = set()
         #: Held while a child is created and registered, and while strays are listed.
         self.own_children_lock = threading.Lock()
-        #: Whether a task is copying our stdin into a worker's terminal.
+        #: Whether a group's stdin router reads our terminal (one at a time).
         self.stdin_forwarded = False
         #: Whether this process removed the stale temporary log roots already.
         self.stale_log_roots_swept = False

@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 
 from ..child import _forkserver_process
-from ..child._forkserver_process import _MAX_MSG, INLINE_CALL_MAX
+from ..child._forkserver_process import _MAX_MSG, INLINE_CALL_MAX, WITH_STDIN, WITHOUT_STDIN
 from ..process._runtime import forget_in_child, runtime
 from ..process._subreaper import lineage_env
 from ._exit_watch import StatusPipeWatch
@@ -95,7 +95,12 @@ class ForkServer:
         return self._pid
 
     async def start_worker(
-        self, stdout_fd: int | None, stderr_fd: int, result_fd: int, call: bytes
+        self,
+        stdout_fd: int | None,
+        stderr_fd: int,
+        result_fd: int,
+        call: bytes,
+        stdin_fd: int | None = None,
     ) -> Launched:
         """Have the server fork a worker wired to these fds, starting the server if needed.
 
@@ -115,7 +120,9 @@ class ForkServer:
         for attempt in (1, 2):
             sock = await self._running()
             try:
-                return await self._request_worker(sock, stdout_fd, stderr_fd, result_fd, call)
+                return await self._request_worker(
+                    sock, stdout_fd, stderr_fd, result_fd, call, stdin_fd
+                )
             except _ServerGone as gone:
                 pid = self._discard(sock)
                 if attempt == 2:
@@ -221,9 +228,10 @@ class ForkServer:
         stderr_fd: int,
         result_fd: int,
         call: bytes,
+        stdin_fd: int | None,
     ) -> Launched:
         """One start request, sent from the event loop, and its answer."""
-        args = (sock, stdout_fd, stderr_fd, result_fd, call)
+        args = (sock, stdout_fd, stderr_fd, result_fd, call, stdin_fd)
         try:
             request = self._send_request(*args, block=False)
         except BlockingIOError:
@@ -256,6 +264,7 @@ class ForkServer:
         stderr_fd: int,
         result_fd: int,
         call: bytes,
+        stdin_fd: int | None,
         *,
         block: bool,
     ) -> _Request:
@@ -267,11 +276,14 @@ class ForkServer:
             # With no stdout_fd: *our* current stdout, not the one the server started with.
             out = 1 if stdout_fd is None else stdout_fd
             fds = [theirs.fileno(), stderr_fd, result_fd, status_w, out]
-            message = b"C" + call
+            stdin = WITHOUT_STDIN if stdin_fd is None else WITH_STDIN
+            if stdin_fd is not None:
+                fds.append(stdin_fd)
+            message = b"C" + stdin + call
             if len(call) > INLINE_CALL_MAX:
                 payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
                 fds.append(payload_r)
-                message = b"S"
+                message = b"S" + stdin
             if sock is not self._sock:
                 raise _ServerGone("it was replaced")
             try:

@@ -220,6 +220,7 @@ def start_fork(
     stderr_fd: int,
     result_fd: int,
     parent_side_fds: Sequence[int],
+    stdin_fd: int | None = None,
 ) -> Launched:
     """Fork a function worker from this process (``multiprocessing``'s "fork" semantics)."""
     flush_std_streams()
@@ -237,6 +238,7 @@ def start_fork(
                 result_fd=result_fd,
                 close_fds=parent_side_fds,
                 call=call,
+                stdin_fd=stdin_fd,
             )
         finally:
             # forked_worker never returns; this catches an exception raised before its
