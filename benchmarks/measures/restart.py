@@ -258,6 +258,7 @@ MEASURE = Measure(
                     _TORCH_FULL,
                     quick_min_ratio=0.7,
                     headline_n=4,
+                    metrics=tuple(m.name for m in (SECONDS, *PARTS) if m.name != "vs_parts"),
                 ),
                 Row(
                     "fair: restart over its unavoidable parts (target <= 1.3)",
