@@ -380,7 +380,15 @@ def _group(case: str, title: str, *, quick: bool) -> Group:
                 quick=quick,
             ),
         ),
-        rows=(Row(title, "aioelastic-run", TORCHRUN, quick_min_ratio=1.0 if quick else None),),
+        rows=(
+            Row(
+                title,
+                "aioelastic-run",
+                TORCHRUN,
+                quick_min_ratio=1.0 if quick else None,
+                metrics=("seconds", "stopped"),
+            ),
+        ),
         ns=(2,),
         quick_ns=(2,),
         default_reps=3,
