@@ -21,6 +21,7 @@ import pytest
 
 from aioelastic._core.process import _tty_readers
 from aioelastic._core.process._tty_readers import reads_terminal, terminal_device
+from tests.waits import process_state
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -70,7 +71,7 @@ class Child:
             stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            process_group=0,
+            preexec_fn=os.setpgrp,  # a group of its own (Popen's process_group= is 3.11+)
         )
         assert self.proc.stdout is not None
         assert self.proc.stdout.readline() == b"ready\n"
@@ -79,9 +80,7 @@ class Child:
         """Wait until its main thread sleeps (in the call that follows ``ready``)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            with open(f"/proc/{self.proc.pid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-            if state == b"S":
+            if process_state(self.proc.pid) == "S":
                 return
             time.sleep(0.01)
         pytest.fail(f"pid {self.proc.pid} never slept")
