@@ -18,7 +18,7 @@ import time
 
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Params, RepContext, Row, System
 from benchmarks._util import free_port, make_fifo, now_ns, read_stamp, read_stamps, seconds
-from benchmarks.measures._common import aio, set_stdlib_forkserver_preload
+from benchmarks.measures._common import aio, aio_core, set_stdlib_forkserver_preload
 
 PRELOAD = ("torch",)
 #: What a knowledgeable torch user preloads: torch, the worker's own module and the module
@@ -110,7 +110,7 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
 
 async def _warm_start(ctx: RepContext, preload: tuple[str, ...]) -> float:
     """N workers of the restart's kind from the same warm fork server, to all in user code."""
-    core = aio("aioelastic._core.group._pcontext")
+    core = aio_core()
     from benchmarks import _fn_torch
 
     directory = ctx.workdir / "warm"
