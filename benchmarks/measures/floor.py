@@ -5,11 +5,15 @@
 - the same for ``python -S -c pass``: the floor of a Python binary worker (a, h).
 - N ``fork()`` of a process that has torch imported, to the last child running its first
   line: the floor of a fork server with torch preloaded (a, e).
+- SIGTERM to N such children, which ran and now wait, to the last one reaped: the
+  kernel's share of a restart's teardown (e), the freeing of each child's copy of the
+  torch-loaded address space, which no supervisor can shorten.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from benchmarks._spec import SECONDS, Group, Measure, RepContext, Row, System
@@ -58,6 +62,45 @@ def fork_torch(ctx: RepContext) -> dict[str, float]:
     return {"seconds": seconds(max(read_stamps(directory, "start", ctx.n)) - start)}
 
 
+def stop_torch(ctx: RepContext) -> dict[str, float]:
+    """SIGTERM to N running children of a torch-loaded process, to the last one reaped."""
+    import torch
+
+    children: list[tuple[int, int]] = []
+    try:
+        for _ in range(ctx.n):
+            ready_r, ready_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    os.close(ready_r)
+                    # As a worker would: run some torch, then wait to be stopped.
+                    torch.ones(16).sum()
+                    os.write(ready_w, b"r")
+                    signal.pause()
+                finally:
+                    os._exit(0)
+            os.close(ready_w)
+            children.append((pid, ready_r))
+        for _, ready_r in children:
+            if os.read(ready_r, 1) != b"r":
+                raise RuntimeError("a forked child died before it was ready")
+        start = now_ns()
+        for pid, _ in children:
+            os.kill(pid, signal.SIGTERM)
+        for pid, _ in children:
+            os.waitpid(pid, 0)
+        return {"seconds": seconds(now_ns() - start)}
+    finally:
+        for pid, ready_r in children:
+            os.close(ready_r)
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
 _M = "benchmarks.measures.floor"
 
 MEASURE = Measure(
@@ -67,7 +110,8 @@ MEASURE = Measure(
     metrics=(SECONDS,),
     notes=(
         "true / python -S: N concurrent posix_spawn (vfork+exec) to the last exit reaped. "
-        "fork torch: N fork() of a process with torch imported, to the last child's first line."
+        "fork torch: N fork() of a process with torch imported, to the last child's first line. "
+        "stop torch: SIGTERM to N such children that ran and wait, to the last one reaped."
     ),
     groups=(
         Group(
@@ -76,11 +120,13 @@ MEASURE = Measure(
                 System("floor/true", "floor", f"{_M}:true"),
                 System("floor/python -S", "floor", f"{_M}:python_s"),
                 System("floor/fork torch", "floor", f"{_M}:fork_torch"),
+                System("floor/stop torch", "floor", f"{_M}:stop_torch"),
             ),
             rows=(
                 Row("fork+exec /bin/true, to exit", "floor/true"),
                 Row("fork+exec python -S -c pass, to exit", "floor/python -S"),
                 Row("fork of a torch-loaded process, to user code", "floor/fork torch"),
+                Row("SIGTERM to N torch-loaded children, to the last reaped", "floor/stop torch"),
             ),
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(1, 2),

@@ -171,6 +171,10 @@ class _FunctionMethod:
     def __init__(self, spec: GroupSpec) -> None:
         self._spec = spec
         self.name = spec.start_method
+        #: The supervisor's environment as the group's first worker was prepared: every
+        #: worker starts from the same one (and reading ``os.environ`` decodes each of
+        #: its variables, per worker, which cost more than the rest of a preparation).
+        self._base_env: dict[str, str] | None = None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self._spec.name!r}>"
@@ -182,7 +186,9 @@ class _FunctionMethod:
         self, rank: int, error_file: str, overlay: dict[str, str]
     ) -> tuple[dict[str, str], FunctionCall | bytes]:
         spec = self._spec
-        env = {**os.environ, **overlay}
+        if self._base_env is None:
+            self._base_env = dict(os.environ)
+        env = {**self._base_env, **overlay}
         env.update(lineage_env(env))
         assert callable(spec.entrypoint)
         call = FunctionCall(spec.entrypoint, spec.args[rank], env, error_file)

@@ -1,9 +1,9 @@
 """One worker stream (stdout or stderr) from its pipe to its log file, console and tail.
 
 A :class:`StreamPump` is no task at all: it is called back by the event loop when the
-pipe is readable (``loop.add_reader``), so a quiet worker costs neither a thread, nor a
-polling period, nor a task's memory (a few kB each, for hundreds of workers). On each
-call it:
+pipe is readable (through the loop's :class:`~..process._reader_hub.ReaderHub`), so a
+quiet worker costs neither a thread, nor a polling period, nor a task's memory (a few kB
+each, for hundreds of workers). On each call it:
 
 * appends the raw bytes to the log file, if the stream is redirected — every byte, in
   order, undecoded;
@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 from ..process._console import ConsoleSink
 from ..process._lazy_event import LazyEvent
+from ..process._reader_hub import ReaderHub, reader_hub
 from ._frames import Framer, Live
 from ._stream import StreamOutput
 
@@ -69,6 +70,7 @@ class StreamPump:
         "_fd",
         "_flush_at",
         "_framer",
+        "_hub",
         "_log_error",
         "_log_fd",
         "_log_path",
@@ -111,8 +113,9 @@ class StreamPump:
         self._flush_at = math.inf
         #: The loop calling us back while started (see :meth:`start`).
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: Whether the reader callback is registered for ``_fd`` now.
+        #: Whether the reader callback is registered for ``_fd`` now, and where.
         self._reading = False
+        self._hub: ReaderHub | None = None
         #: The wake-up at ``_flush_at``, while a partial line is held.
         self._timer: asyncio.TimerHandle | None = None
         #: Resolved once the console has room again, while reading is paused for it.
@@ -151,8 +154,7 @@ class StreamPump:
             # No read now: the registration is level-triggered, so bytes the worker wrote
             # already call the reader on the loop's next turn (a read here would mostly
             # find the pipe empty, for a syscall and an exception per stream).
-            self._loop.add_reader(self._fd, self._step)
-            self._reading = True
+            self._read_on()
 
     async def run(self) -> None:
         """Start pumping (see :meth:`start`) and wait until the pipe is closed."""
@@ -165,10 +167,23 @@ class StreamPump:
         if self._fd is None:
             return
         if not self._reading:
-            self._loop.add_reader(self._fd, self._step)
-            self._reading = True
+            self._read_on()
         # Bytes may have arrived while paused, and a held line may be due by now.
         self._step()
+
+    def _read_on(self) -> None:
+        assert self._loop is not None
+        assert self._fd is not None
+        self._hub = reader_hub(self._loop)
+        self._hub.add(self._fd, self._step)
+        self._reading = True
+
+    def _read_off(self) -> None:
+        if self._reading:
+            assert self._hub is not None
+            assert self._fd is not None
+            self._hub.remove(self._fd)
+            self._hub, self._reading = None, False
 
     def _step(self) -> None:
         """One wake-up: the pipe is readable, or a held line's deadline came."""
@@ -251,9 +266,7 @@ class StreamPump:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if self._reading:
-            self._loop.remove_reader(self._fd)
-            self._reading = False
+        self._read_off()
         room.add_done_callback(lambda _: self._resume())
 
     def drain(self, max_chunks: int | None = None) -> None:
@@ -287,13 +300,10 @@ class StreamPump:
             self._timer.cancel()
             self._timer = None
         if self._fd is not None:
-            if self._reading:
-                # Unregister while the number still names this pipe: a stale registration
-                # would be attached to whatever file reuses the number next (another
-                # worker's pipe, a pidfd of teardown), whose reader would never be called.
-                assert self._loop is not None
-                self._loop.remove_reader(self._fd)
-                self._reading = False
+            # Unregistered while the number still names this pipe: a stale registration
+            # would be attached to whatever file reuses the number next (another worker's
+            # pipe, a pidfd of teardown), whose reader would never be called.
+            self._read_off()
             os.close(self._fd)
             self._fd = None
             self.closed.set()

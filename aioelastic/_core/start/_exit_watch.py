@@ -24,6 +24,7 @@ to watch, chosen by :func:`watch_child`:
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import threading
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ..process import _platform
+from ..process._reader_hub import ReaderHub, reader_hub
 from ..process._runtime import runtime
 from ..process._status import STATUS, decode_status
 
@@ -82,8 +84,9 @@ class LoopWatch:
         self._callback: OnExit | None = None
         self._delivered = False
         self._watching = False
-        #: The fd whose reader callback is registered now, if one is.
+        #: The fd whose reader callback is registered now, if one is, and where.
         self._reading: int | None = None
+        self._hub: ReaderHub | None = None
 
     def on_exit(self, callback: OnExit) -> None:
         """See :meth:`ExitWatch.on_exit`."""
@@ -121,7 +124,8 @@ class LoopWatch:
     def _read_when_ready(self, fd: int, step: Callable[[], ExitOutcome | None]) -> None:
         """Once ``fd`` is readable, deliver what ``step`` returns (``None``: not yet)."""
         assert self._loop is not None
-        self._loop.add_reader(fd, self._on_readable, step)
+        self._hub = reader_hub(self._loop)
+        self._hub.add(fd, functools.partial(self._on_readable, step))
         self._reading = fd
 
     def _on_readable(self, step: Callable[[], ExitOutcome | None]) -> None:
@@ -138,9 +142,9 @@ class LoopWatch:
         # Before the fd is closed, always: a registration left behind would belong to
         # whatever file reuses the number next.
         if self._reading is not None:
-            assert self._loop is not None
-            self._loop.remove_reader(self._reading)
-            self._reading = None
+            assert self._hub is not None
+            self._hub.remove(self._reading)
+            self._reading, self._hub = None, None
 
     def _deliver(self, outcome: ExitOutcome) -> None:
         if self._delivered or self._callback is None:

@@ -1,0 +1,179 @@
+"""The loop's hub of worker descriptors: add_reader's semantics at an epoll_ctl's cost."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import anyio
+import pytest
+
+from aioelastic._core.process import _reader_hub
+from aioelastic._core.process._reader_hub import reader_hub
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
+
+
+def _open_fds() -> set[int]:
+    return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+async def test_calls_back_while_readable_and_stops_at_remove() -> None:
+    loop = asyncio.get_running_loop()
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    got: list[bytes] = []
+    seen = anyio.Event()
+
+    def on_readable() -> None:
+        got.append(os.read(r, 100))
+        seen.set()
+
+    hub = reader_hub(loop)
+    hub.add(r, on_readable)
+    try:
+        os.write(w, b"one")
+        with anyio.fail_after(5):
+            await seen.wait()
+        assert got == [b"one"]
+        assert hub.remove(r) is True
+        assert hub.remove(r) is False
+        os.write(w, b"two")
+        # A turn of the loop with the pipe readable: a removed reader is never called.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert got == [b"one"]
+    finally:
+        hub.remove(r)
+        os.close(r)
+        os.close(w)
+
+
+async def test_end_of_file_counts_as_readable() -> None:
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    ended = anyio.Event()
+
+    def on_readable() -> None:
+        if os.read(r, 100) == b"":
+            hub.remove(r)
+            ended.set()
+
+    hub = reader_hub(asyncio.get_running_loop())
+    hub.add(r, on_readable)
+    os.close(w)
+    try:
+        with anyio.fail_after(5):
+            await ended.wait()
+    finally:
+        hub.remove(r)
+        os.close(r)
+
+
+async def test_the_last_remove_closes_the_hub_and_its_epoll() -> None:
+    loop = asyncio.get_running_loop()
+    before = _open_fds()
+    r1, w1 = os.pipe2(os.O_CLOEXEC)
+    r2, w2 = os.pipe2(os.O_CLOEXEC)
+    hub = reader_hub(loop)
+    hub.add(r1, lambda: None)
+    hub.add(r2, lambda: None)
+    assert reader_hub(loop) is hub
+    hub.remove(r1)
+    assert not hub.closed
+    hub.remove(r2)
+    assert hub.closed
+    for fd in (r1, w1, r2, w2):
+        os.close(fd)
+    # Nothing of the hub outlives its last descriptor: no epoll left open.
+    assert _open_fds() == before
+    fresh = reader_hub(loop)
+    assert fresh is not hub
+    fresh.close()
+    assert loop not in _reader_hub._hubs
+
+
+async def test_a_descriptor_has_one_reader() -> None:
+    r, w = os.pipe2(os.O_CLOEXEC)
+    hub = reader_hub(asyncio.get_running_loop())
+    hub.add(r, lambda: None)
+    try:
+        with pytest.raises(RuntimeError, match=f"fd {r} has a reader already"):
+            hub.add(r, lambda: None)
+    finally:
+        hub.remove(r)
+        os.close(r)
+        os.close(w)
+
+
+async def test_a_failing_reader_goes_to_the_loops_handler_and_the_others_still_run() -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    bad_r, bad_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    good_r, good_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    good = anyio.Event()
+
+    def bad() -> None:
+        os.read(bad_r, 100)
+        raise ValueError("planted")
+
+    def fine() -> None:
+        os.read(good_r, 100)
+        good.set()
+
+    hub = reader_hub(loop)
+    hub.add(bad_r, bad)
+    hub.add(good_r, fine)
+    try:
+        os.write(bad_w, b"x")
+        os.write(good_w, b"x")
+        with anyio.fail_after(5):
+            await good.wait()
+            while not reported:
+                await asyncio.sleep(0)
+        assert isinstance(reported[0]["exception"], ValueError)
+        assert f"the reader of fd {bad_r} failed" in str(reported[0]["message"])
+    finally:
+        loop.set_exception_handler(None)
+        hub.remove(bad_r)
+        hub.remove(good_r)
+        for fd in (bad_r, bad_w, good_r, good_w):
+            os.close(fd)
+
+
+async def test_a_reader_that_removes_another_ready_one_spares_it_the_call() -> None:
+    """Two descriptors ready in one wake-up; the first reader removes the second."""
+    r1, w1 = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    r2, w2 = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    calls: list[int] = []
+    done = anyio.Event()
+    hub = reader_hub(asyncio.get_running_loop())
+
+    def first() -> None:
+        calls.append(r1)
+        os.read(r1, 100)
+        hub.remove(r2)
+        hub.remove(r1)
+        done.set()
+
+    def second() -> None:
+        calls.append(r2)
+        os.read(r2, 100)
+        hub.remove(r1)
+        hub.remove(r2)
+        done.set()
+
+    hub.add(r1, first)
+    hub.add(r2, second)
+    os.write(w1, b"x")
+    os.write(w2, b"x")
+    try:
+        with anyio.fail_after(5):
+            await done.wait()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert len(calls) == 1
+    finally:
+        hub.remove(r1)
+        hub.remove(r2)
+        for fd in (r1, w1, r2, w2):
+            os.close(fd)
