@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from aioelastic._elastic._job_channel import DEAD_AFTER, STACKS_TIMEOUT
 from tests.cli_run import Launcher, wait_gone, with_env
 
 # Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
@@ -400,3 +401,73 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
         assert ends[node][0] == 1, launcher.stderr
         assert "lost the rendezvous store" in launcher.stderr, launcher.stderr
         assert "a single point of failure: use --rdzv-backend etcd-v2" in launcher.stderr
+
+
+# -- nodes that never answer -------------------------------------------------------------
+
+
+@contextmanager
+def stopped(launcher: Launcher) -> Iterator[None]:
+    """``launcher`` SIGSTOPped (a wedged machine: it answers nothing), continued on exit."""
+    os.kill(launcher.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(launcher.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_that_never_answers_is_named_and_the_report_still_comes(tmp_path: Path) -> None:
+    """Node 2's launcher is stopped: it neither answers the stack request nor beats, so
+    node 1, which watches it, ends the attempt as vanished while node 0's request waits.
+    Node 0 still prints (and writes) the report of the ranks that answered, naming node 2,
+    within STACKS_TIMEOUT and a margin."""
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0", f"--log-dir={tmp_path / 'logs'}")
+        pids = running.ready()
+        asker = running.launchers[0]
+        with stopped(running.launchers[2]):
+            asked_at = time.monotonic()
+            asker.proc.send_signal(signal.SIGURG)
+            asker.wait_for_stderr("(also in ", timeout=60)
+            took = time.monotonic() - asked_at
+        ends = running.finish()
+        assert wait_gone(list(pids.values()), 10) == []
+    assert took < STACKS_TIMEOUT + BOUND, took
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    report = asker.stderr[asker.stderr.index("stacks of ") :]
+    head = report.splitlines()
+    assert head[0] == "stacks of 4 ranks on 2 nodes, asked by node 0 (127.0.0.1)", report
+    assert head[1] == "node 2 (127.0.0.3): no answer"
+    for rank in range(4):
+        assert f"  rank {rank}: node {rank // 2} 127.0.0.{rank // 2 + 1} pid {pids[rank]}" in report
+    (written,) = (tmp_path / "logs").glob("*/stacks-*.txt")
+    assert written.read_text().startswith(head[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_whose_peer_never_hears_of_the_end_lingers_no_longer_than_its_bound(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 fails on node 0, which hosts the store: before leaving, node 0 waits until
+    every other node heard why (its leaving takes the store away). Node 1 hears; node 2,
+    stopped, never does. Nodes 0 and 1 still end within DEAD_AFTER (the linger's bound)
+    and a margin, node 1 with the root cause; node 2, continued, finds the store gone."""
+    with job(tmp_path, 3, TEST_FAIL_RANK="1") as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        with stopped(running.launchers[2]):
+            failed_at = running.trigger()
+            ends = [(launcher.finish(DEAD_AFTER + BOUND + 30), time.monotonic())
+                    for launcher in running.launchers[:2]]  # fmt: skip
+        ends.append((running.launchers[2].finish(), time.monotonic()))
+        assert wait_gone(list(pids.values()), 10) == []
+    took = _ended_within(ends[:2], failed_at)
+    assert all(t < DEAD_AFTER + BOUND for t in took), took
+    assert [code for code, _ in ends[:2]] == [7, 7], [n.stderr for n in running.launchers]
+    assert "rank      : 1 (local_rank: 1)" in running.launchers[0].stderr
+    heard = running.launchers[1].stderr
+    assert "stopped: node 0 (127.0.0.1) failed: rank 1 exited 7" in heard, heard
+    assert ends[2][0] != 0

@@ -255,6 +255,10 @@ class JobChannel:
         self._news = 0
         self._next_request = 1
         self._answered: set[int] = set()
+        # Stack reports being gathered, and whether the attempt ended meanwhile: the
+        # thread then outlives close() until the last of them collected its answers.
+        self._gathering = 0
+        self._closing = False
 
     def __repr__(self) -> str:
         return (
@@ -377,8 +381,9 @@ class JobChannel:
         """Every rank's stack across the job, through the store (see `JobStacks`).
 
         Asks every node (each answers on its next beat with ``capture()`` of its own),
-        answers for this one, and waits up to ``timeout`` seconds for the others; a node
-        that does not answer in time is named in the report.
+        answers for this one, and waits up to ``timeout`` seconds for the others (less if
+        the attempt ends meanwhile: see `close`); a node that does not answer in time is
+        named in the report.
         """
 
         def ask() -> int:
@@ -388,7 +393,16 @@ class JobChannel:
             self._store.add(self._key("news"), 1)
             return request
 
-        request = await self._call(ask, self.store_lost_after)
+        self._gathering += 1
+        try:
+            request = await self._call(ask, self.store_lost_after)
+            return await self._gather(request, capture, timeout)
+        finally:
+            self._gathering -= 1
+            if self._closing and not self._gathering:
+                self._thread.close()
+
+    async def _gather(self, request: int, capture: Capture, timeout: float) -> JobStacks:
         try:
             with anyio.fail_after(STACKS_TIMEOUT):
                 own = await capture()
@@ -409,8 +423,11 @@ class JobChannel:
         # A beat's worth of waiting at a time: this node's beats run on the same thread in
         # between, so it stays alive to its watcher and answers the requests of nodes that
         # ask at the same time (nodes that stall together each ask every other).
+        # The attempt ending (close()) ends the wait too: a node that never answered
+        # is why it ended, often (a node stopped or wedged is found vanished within
+        # DEAD_AFTER, before this timeout), and the report of who answered is due now.
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not self._closing:
             wait = max(min(self.beat, left), 0.01)
             if await self._call(partial(answered_within, wait), wait + self.store_lost_after):
                 break
@@ -528,8 +545,14 @@ class JobChannel:
             logger.warning("could not tell the other nodes this node finished: %s", e)
 
     def close(self) -> None:
-        """Let the channel's thread end (an abandoned store call finishes first)."""
-        self._thread.close()
+        """Let the channel's thread end (an abandoned store call finishes first).
+
+        A stack report being gathered stops waiting and still collects the answers
+        given so far (its thread ends after that).
+        """
+        self._closing = True
+        if not self._gathering:
+            self._thread.close()
 
     def _store_lost(self, error: BaseException, lasted: float) -> AttemptEnd:
         why = "no answer" if isinstance(error, TimeoutError) else f"{type(error).__name__}"

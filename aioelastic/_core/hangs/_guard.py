@@ -332,6 +332,18 @@ class WorkerHooks:
 LAUNCHER_STACK_SIGNAL = STACK_SIGNAL
 
 
+def _show(stacks: Mapping[int, str] | str, stream: TextIO) -> None:
+    """Print what a stack request gave: a report, or each local rank's stack."""
+    if isinstance(stacks, str):
+        stream.write(stacks)
+    else:
+        for rank, text in sorted(stacks.items()):
+            stream.write(f"--- stack of local rank {rank} ---\n{text}")
+        if not stacks:
+            stream.write("--- no worker is running ---\n")
+    stream.flush()
+
+
 @asynccontextmanager
 async def stack_requests(
     dump: Callable[[], Awaitable[Mapping[int, str] | str]], out: TextIO | None = None
@@ -352,17 +364,11 @@ async def stack_requests(
         async def answer() -> None:
             with anyio.open_signal_receiver(LAUNCHER_STACK_SIGNAL) as signals:
                 async for _ in signals:
-                    stacks = await dump()
-                    stream = out if out is not None else sys.stderr
-                    if isinstance(stacks, str):
-                        stream.write(stacks)
-                        stream.flush()
-                        continue
-                    for rank, text in sorted(stacks.items()):
-                        stream.write(f"--- stack of local rank {rank} ---\n{text}")
-                    if not stacks:
-                        stream.write("--- no worker is running ---\n")
-                    stream.flush()
+                    # Shielded: the block may end while the report is gathered (a node
+                    # that never answers is found vanished, and the job ends), and a
+                    # report that was asked for is still printed. The dump bounds itself.
+                    with anyio.CancelScope(shield=True):
+                        _show(await dump(), out if out is not None else sys.stderr)
 
         tg.start_soon(answer)
         try:

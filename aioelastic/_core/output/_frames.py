@@ -158,6 +158,11 @@ class Framer:
         return out
 
     @property
+    def holds_frame(self) -> bool:
+        """Whether what is held is a progress frame (redrawn by a ``\\r``), not plain text."""
+        return self._is_frame()
+
+    @property
     def prefixed(self) -> bool:
         """Whether console lines get a prefix."""
         return bool(self._prefix)

@@ -10,8 +10,9 @@ each, for hundreds of workers). On each call it:
 * cuts the bytes into whole lines and progress frames for the console (prefixed when
   tee'd) with a :class:`~._frames.Framer`, holding back a partial line until its newline,
   its redrawing ``\r``, the end of the stream, or :data:`FLUSH_DELAY` after its first
-  byte arrived — through a :mod:`._collapse` stage when identical lines of several ranks
-  are printed once;
+  byte arrived (no delay while the last read was a block-buffered writer's full buffer,
+  see :data:`BLOCK_WRITE`) — through a :mod:`._collapse` stage when identical lines of
+  several ranks are printed once;
 * keeps the last lines of stderr for the failure report.
 
 The read end may be a pipe or the master side of a pseudo-terminal (:mod:`._terminal`),
@@ -43,6 +44,12 @@ logger = logging.getLogger("aioelastic")
 #: How long a partial line (a progress bar, ``print(end="")``) may wait for its newline,
 #: counted from its first byte: a bar that keeps growing is still shown this often.
 FLUSH_DELAY = 0.25
+
+#: A read this long that ends mid-line is a block-buffered writer's full buffer, not a
+#: prompt: the rest of its line comes with the writer's next flush, however late, so the
+#: line waits for it with no flush delay. C's stdio flushes 4096 bytes to a pipe, Python's
+#: ``print()`` about 8 KiB; a prompt (``print(end="")``, ``input()``) is a small write.
+BLOCK_WRITE = 4096
 
 _CHUNK = 1 << 16
 _CHUNKS_PER_WAKEUP = 64
@@ -363,12 +370,19 @@ class StreamPump:
         self._put(framer.feed(chunk))
         if not framer.holding:
             self._flush_at = math.inf
-        elif framer.held_from != held_from:
+        elif len(chunk) >= BLOCK_WRITE and not framer.holds_frame:
+            # A full buffer that ended mid-line: a slow block-buffered writer (a line a
+            # step, an 8 KiB flush a minute) would otherwise have a line cut in two at
+            # every flush. Its end, or a prompt written after it, is shown as usual.
+            self._flush_at = math.inf
+        elif framer.held_from != held_from or self._flush_at == math.inf:
             # A new piece is held: its own first byte starts its delay, not that of the
-            # line this chunk completed. A block-buffered writer ends nearly every read
-            # mid-line, and a deadline kept from the first of them cut a line in two
-            # every FLUSH_DELAY. The loop's clock (anyio's on asyncio), asked of the loop
-            # directly because this runs in a reader callback, outside any task.
+            # line this chunk completed (a piece held with no delay that grew by a small
+            # write, a prompt after a full buffer, starts it now). A block-buffered
+            # writer ends nearly every read mid-line, and a deadline kept from the first
+            # of them cut a line in two every FLUSH_DELAY. The loop's clock (anyio's on
+            # asyncio), asked of the loop directly because this runs in a reader
+            # callback, outside any task.
             loop = self._loop or asyncio.get_running_loop()
             self._flush_at = loop.time() + FLUSH_DELAY
 
