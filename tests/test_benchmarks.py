@@ -579,3 +579,25 @@ def test_quick_multinode_times_ours_and_stops_torchrun_at_the_cap(tmp_path: Path
         proc.stdout
     )
     assert "| > 10000 | torchrun --monitor-interval 0.01 | >" in proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_cpu_split_prints_each_sides_cpu_per_worker() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.cpu_split", "--n", "16", "--reps", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "N=16 x /bin/true, torch loaded; medians of 2, ms per worker:"
+    rows = {line[:45].strip(): line[45:].split() for line in lines[2:]}
+    assert set(rows) == {"aioelastic run_processes", "torch start_processes + wait(period=0.01)"}
+    for name, (wall, supervisor, helper, workers) in rows.items():
+        assert float(wall) > 0, name
+        # /proc counts in 10 ms ticks: at N=16 a share may round to 0, never below.
+        assert min(float(supervisor), float(helper), float(workers)) >= 0, name
+    assert float(rows["torch start_processes + wait(period=0.01)"][2]) == 0  # no helper

@@ -1,0 +1,144 @@
+"""Where the CPU of N binary workers goes, per process, for aioelastic and torch.
+
+``python -m benchmarks.cpu_split [--n 256] [--reps 10]`` starts N ``/bin/true`` from a
+torch-loaded supervisor, as measure i does, ``--reps`` times for each side (sides
+alternating, one warm-up each), and prints the CPU time per worker spent by:
+
+- the supervisor's own process (``RUSAGE_SELF``);
+- aioelastic's watchdog, which spawns and reaps binaries (``/proc/PID/stat``);
+- the workers themselves (their exec and exit: ``RUSAGE_CHILDREN`` of whoever reaped
+  them, the supervisor for torch, the watchdog for us);
+
+and the wall time. On a machine with few cores a job of many short workers is bound by
+the sum, which is why this split says more than the wall time alone. ``/proc`` counts in
+clock ticks (10 ms): use N >= 128 and several repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+TRUE = "/bin/true"
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _self_and_children() -> tuple[float, float]:
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _proc_times(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) CPU seconds of ``pid``."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    utime, stime, cutime, cstime = (int(x) / _TICK for x in fields[11:15])
+    return utime + stime, cutime + cstime
+
+
+def _wait_reaped(pid: int, timeout: float = 10.0) -> None:
+    """Until ``pid`` has no child left: the watchdog reaps a released worker on its own."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            if not children.read().split():
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the watchdog (pid {pid}) still has children after {timeout} s")
+        time.sleep(0.001)
+
+
+def _envs(n: int) -> dict[int, dict[str, str]]:
+    return {rank: {"LOCAL_RANK": str(rank)} for rank in range(n)}
+
+
+def _ours(n: int, log_dir: str) -> dict[str, float]:
+    from aioelastic._core.group._pcontext import run_processes
+    from aioelastic._core.start._watchdog import watchdog
+
+    async def run() -> None:
+        result = await run_processes(
+            name="bench", entrypoint=TRUE, args={r: () for r in range(n)}, envs=_envs(n),
+            log_dir=log_dir,
+        )  # fmt: skip
+        if result.is_failed():
+            raise RuntimeError(f"aioelastic: {result.failures}")
+
+    pid = watchdog.pid
+    helper0 = _proc_times(pid) if pid else (0.0, 0.0)
+    self0, _ = _self_and_children()
+    start = time.monotonic()
+    asyncio.run(run())
+    wall = time.monotonic() - start
+    self1, _ = _self_and_children()
+    pid = watchdog.pid
+    assert pid is not None
+    _wait_reaped(pid)
+    helper1 = _proc_times(pid)
+    return {
+        "wall": wall,
+        "supervisor": self1 - self0,
+        "helper": helper1[0] - helper0[0],
+        "workers": helper1[1] - helper0[1],
+    }
+
+
+def _torch(n: int, log_dir: str) -> dict[str, float]:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
+    self0, kids0 = _self_and_children()
+    start = time.monotonic()
+    pc = start_processes(
+        name="bench", entrypoint=TRUE, args={r: () for r in range(n)}, envs=_envs(n),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )  # fmt: skip
+    try:
+        result = pc.wait(period=0.01)
+    finally:
+        pc.close()
+    wall = time.monotonic() - start
+    self1, kids1 = _self_and_children()
+    if result is None or result.is_failed():
+        raise RuntimeError(f"torch: {result}")
+    return {"wall": wall, "supervisor": self1 - self0, "helper": 0.0, "workers": kids1 - kids0}
+
+
+def main() -> None:
+    """Print the split (see the module documentation)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_split")
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=10)
+    args = parser.parse_args()
+    import torch
+
+    assert torch.__version__  # the supervisor's image holds torch, as a controller's does
+    sides: dict[str, Callable[[int, str], dict[str, float]]] = {
+        "aioelastic run_processes": _ours,
+        "torch start_processes + wait(period=0.01)": _torch,
+    }
+    samples: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
+    with tempfile.TemporaryDirectory() as root:
+        for rep in range(args.reps + 1):
+            for name, side in sides.items():
+                sample = side(args.n, os.path.join(root, f"{len(samples[name])}-{rep}"))
+                if rep:  # the first is a warm-up (the watchdog's start, lazy imports)
+                    samples[name].append(sample)
+    print(f"N={args.n} x {TRUE}, torch loaded; medians of {args.reps}, ms per worker:")
+    print(f"{'side':45} {'wall':>8} {'supervisor':>11} {'helper':>8} {'workers':>8}")
+    for name, runs in samples.items():
+        med = {key: statistics.median(run[key] for run in runs) * 1000 / args.n for key in runs[0]}
+        print(
+            f"{name:45} {med['wall']:8.3f} {med['supervisor']:11.3f} "
+            f"{med['helper']:8.3f} {med['workers']:8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
