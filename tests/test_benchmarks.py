@@ -30,9 +30,11 @@ pytestmark = pytest.mark.torch
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+def _run(
+    *args: str, timeout: float, module: str = "benchmarks"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "benchmarks", *args],
+        [sys.executable, "-m", module, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -583,14 +585,7 @@ def test_quick_multinode_times_ours_and_stops_torchrun_at_the_cap(tmp_path: Path
 
 @pytest.mark.timeout(120)
 def test_cpu_split_prints_each_sides_cpu_per_worker() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.cpu_split", "--n", "16", "--reps", "2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=110,
-        check=False,
-    )
+    proc = _run("--n", "16", "--reps", "2", timeout=110, module="benchmarks.cpu_split")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "N=16 x /bin/true, torch loaded; medians of 2, ms per worker:"

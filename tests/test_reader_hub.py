@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
 
 import anyio
 import pytest
@@ -148,22 +149,18 @@ async def test_a_reader_that_removes_another_ready_one_spares_it_the_call() -> N
     done = anyio.Event()
     hub = reader_hub(asyncio.get_running_loop())
 
-    def first() -> None:
-        calls.append(r1)
-        os.read(r1, 100)
-        hub.remove(r2)
-        hub.remove(r1)
-        done.set()
+    def reader(mine: int, other: int) -> Callable[[], None]:
+        def on_readable() -> None:
+            calls.append(mine)
+            os.read(mine, 100)
+            hub.remove(other)
+            hub.remove(mine)
+            done.set()
 
-    def second() -> None:
-        calls.append(r2)
-        os.read(r2, 100)
-        hub.remove(r1)
-        hub.remove(r2)
-        done.set()
+        return on_readable
 
-    hub.add(r1, first)
-    hub.add(r2, second)
+    hub.add(r1, reader(r1, r2))
+    hub.add(r2, reader(r2, r1))
     os.write(w1, b"x")
     os.write(w2, b"x")
     try:
