@@ -21,6 +21,10 @@ import anyio
 from aioelastic._core.process._platform import children_of, proc_stat
 from tests.waits import is_running, process_state
 
+#: The environment variable :func:`tests.conftest.no_leaks` marks each test's processes with
+#: (a value of its own per test): every descendant inherits it.
+MARK_VAR = "AIOELASTIC_TEST_MARK"
+
 
 def open_fds() -> dict[int, str]:
     """This process's open descriptors and what each points at."""

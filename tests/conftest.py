@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from tests.audit import (
+    MARK_VAR,
     fds_opened_since,
     fork_server_pids,
     is_spare,
@@ -80,9 +81,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
     else:
         print(f"\ntemporary files of this test run kept in {path}", file=sys.stderr)
-
-
-MARK_VAR = "AIOELASTIC_TEST_MARK"
 
 
 @pytest.fixture(autouse=True)
