@@ -25,6 +25,8 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from aioelastic._core.process._platform import children_of, proc_stat
+
 TRUE = "/bin/true"
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -37,8 +39,9 @@ def _self_and_children() -> tuple[float, float]:
 
 def _proc_times(pid: int) -> tuple[float, float]:
     """(own, reaped children's) CPU seconds of ``pid``."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    fields = proc_stat(pid)
+    if fields is None:
+        raise RuntimeError(f"pid {pid} is gone")
     utime, stime, cutime, cstime = (int(x) / _TICK for x in fields[11:15])
     return utime + stime, cutime + cstime
 
@@ -46,13 +49,10 @@ def _proc_times(pid: int) -> tuple[float, float]:
 def _wait_reaped(pid: int, timeout: float = 10.0) -> None:
     """Until ``pid`` has no child left: the watchdog reaps a released worker on its own."""
     deadline = time.monotonic() + timeout
-    while True:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            if not children.read().split():
-                return
+    while children_of(pid):
         if time.monotonic() > deadline:
             raise RuntimeError(f"the watchdog (pid {pid}) still has children after {timeout} s")
-        time.sleep(0.001)
+        time.sleep(0.001)  # no event tells when another process reaps its child
 
 
 def _envs(n: int) -> dict[int, dict[str, str]]:

@@ -10,13 +10,32 @@ import anyio
 import pytest
 
 from aioelastic._core.process import _reader_hub
-from aioelastic._core.process._reader_hub import reader_hub
+from aioelastic._core.process._reader_hub import ReaderHub, reader_hub
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
 
 def _open_fds() -> set[int]:
     return {int(name) for name in os.listdir("/proc/self/fd")}
+
+
+async def _a_dispatch_later(hub: ReaderHub) -> None:
+    """Return once the hub served a descriptor made ready after this call.
+
+    Every descriptor ready before it was then in the same or an earlier wake-up: a reader
+    not called by now never is for what was ready.
+    """
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    served = anyio.Event()
+    hub.add(r, served.set)
+    try:
+        os.write(w, b"x")
+        with anyio.fail_after(5):
+            await served.wait()
+    finally:
+        hub.remove(r)
+        os.close(r)
+        os.close(w)
 
 
 async def test_calls_back_while_readable_and_stops_at_remove() -> None:
@@ -36,13 +55,18 @@ async def test_calls_back_while_readable_and_stops_at_remove() -> None:
         with anyio.fail_after(5):
             await seen.wait()
         assert got == [b"one"]
+        # A reader of its own keeps the hub open once this one is removed.
+        keep_r, keep_w = os.pipe2(os.O_CLOEXEC)
+        hub.add(keep_r, lambda: None)
         assert hub.remove(r) is True
         assert hub.remove(r) is False
         os.write(w, b"two")
-        # A turn of the loop with the pipe readable: a removed reader is never called.
-        for _ in range(3):
-            await asyncio.sleep(0)
+        # A wake-up with the pipe readable: a removed reader is never called.
+        await _a_dispatch_later(hub)
         assert got == [b"one"]
+        hub.remove(keep_r)
+        os.close(keep_r)
+        os.close(keep_w)
     finally:
         hub.remove(r)
         os.close(r)
@@ -166,8 +190,7 @@ async def test_a_reader_that_removes_another_ready_one_spares_it_the_call() -> N
     try:
         with anyio.fail_after(5):
             await done.wait()
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await _a_dispatch_later(reader_hub(asyncio.get_running_loop()))
         assert len(calls) == 1
     finally:
         hub.remove(r1)
