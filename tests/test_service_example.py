@@ -164,7 +164,8 @@ async def test_server_shutdown_stops_every_job(server: Server) -> None:
         pids = []
         for job_id in ids:
             job = await _wait_status(client, job_id, "running")
-            assert job["status"] == "running"
+            # The whole summary on failure: its `failures` say why a job did not start.
+            assert job["status"] == "running", job
             pids += list(job["pids"].values())
     server.proc.send_signal(signal.SIGINT)
     returncode = await anyio.to_thread.run_sync(lambda: server.proc.wait(timeout=30))
