@@ -311,7 +311,8 @@ def test_sigchld_ignored_outside_the_main_thread_is_refused_before_anything_star
 
 
 _ULIMIT_ERROR = re.compile(
-    r"OSError: \[Errno 24\] cannot start (worker \d|the watchdog process) of 'nofile': "
+    r"OSError: \[Errno 24\] cannot start (worker \d|the watchdog process|the output readers) "
+    r"of 'nofile': "
     r"Too many open files; raise the limit with `ulimit -n` \(now (\d+)\) or "
     r"start fewer workers"
 )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import anyio
 import pytest
 
+import aioelastic
 from aioelastic._core.process import _reader_hub
-from aioelastic._core.process._reader_hub import ReaderHub, reader_hub
+from aioelastic._core.process._reader_hub import ReaderHub, hold_reader_hub, reader_hub
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 
@@ -113,6 +115,47 @@ async def test_the_last_remove_closes_the_hub_and_its_epoll() -> None:
     fresh = reader_hub(loop)
     assert fresh is not hub
     fresh.close()
+    assert loop not in _reader_hub._hubs
+
+
+async def test_a_held_hub_outlives_its_last_descriptor_until_released() -> None:
+    loop = asyncio.get_running_loop()
+    before = _open_fds()
+    release = hold_reader_hub(loop)
+    hub = reader_hub(loop)
+    r, w = os.pipe2(os.O_CLOEXEC)
+    hub.add(r, lambda: None)
+    hub.remove(r)
+    os.close(r)
+    os.close(w)
+    assert not hub.closed
+    assert reader_hub(loop) is hub
+    second = hold_reader_hub(loop)
+    release()
+    release()  # a second call of the same release counts for nothing
+    assert not hub.closed
+    second()
+    assert hub.closed
+    assert loop not in _reader_hub._hubs
+    assert _open_fds() == before
+
+
+async def test_a_group_holds_its_loops_hub_from_its_start_to_its_end(tmp_path: Path) -> None:
+    # Workers that exit as they start leave the hub without a descriptor between starts;
+    # the group's hold keeps it (one epoll per group, not one per worker).
+    loop = asyncio.get_running_loop()
+    assert loop not in _reader_hub._hubs
+    group = aioelastic.start_processes(
+        "hold", "true", {r: () for r in range(4)}, {r: {} for r in range(4)}, log_dir=tmp_path
+    )
+    async with group:
+        hub = _reader_hub._hubs[loop]
+        result = await group.wait(timeout=20)
+        assert result is not None
+        assert not result.is_failed()
+        assert _reader_hub._hubs.get(loop) is hub
+        assert not hub.closed
+    assert hub.closed
     assert loop not in _reader_hub._hubs
 
 

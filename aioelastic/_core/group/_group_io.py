@@ -5,10 +5,12 @@ stdin and window size, a result pipe, a large payload fed to a worker) runs here
 cancelling the group's host task must not cut a transfer in half. After the teardown,
 :meth:`GroupIO.finish` ends it all in order: the pipes drained to end-of-file, the tasks
 ended, the lines held for their twins printed, the output hub closed, the console flushed.
+The loop's reader hub is held open meanwhile (see :mod:`..process._reader_hub`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,6 +21,7 @@ import anyio.lowlevel
 from ..output._collapse import Collapser
 from ..process._console import StreamName, console
 from ..process._lazy_event import wait_all
+from ..process._reader_hub import hold_reader_hub
 from ..worker._process import WorkerProcess
 from ._starting import OutputTarget
 from ._validate import GroupSpec
@@ -37,10 +40,12 @@ class GroupIO:
         #: Where identical console lines of several ranks are collapsed, per stream (only
         #: when asked for).
         self.collapsers: dict[StreamName, Collapser] = {}
+        self._release_hub: Callable[[], None] | None = None
 
     def open(self, tg: anyio.abc.TaskGroup, spec: GroupSpec) -> None:
         """Run the I/O tasks in ``tg``; make the collapsers ``spec`` asks for."""
         self._tg = tg
+        self._release_hub = hold_reader_hub(asyncio.get_running_loop())
         window = spec.collapse_identical_lines
         if window is not None and spec.nprocs > 1:
             self.collapsers = {n: Collapser(console(n), window) for n in ("stdout", "stderr")}
@@ -63,6 +68,13 @@ class GroupIO:
 
     async def finish(self, workers: Sequence[WorkerProcess], output: OutputTarget) -> None:
         """End the group's I/O once its workers are gone (bounded, see IO_DRAIN_TIMEOUT)."""
+        try:
+            await self._finish(workers, output)
+        finally:
+            if self._release_hub is not None:
+                self._release_hub()
+
+    async def _finish(self, workers: Sequence[WorkerProcess], output: OutputTarget) -> None:
         pumps = [p for w in workers for p in (w.stdout, w.stderr)]
         # Every writer is dead now, so the pipes reach end-of-file at once — unless a
         # descendant escaped its process group and still holds one.

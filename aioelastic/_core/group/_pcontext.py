@@ -242,7 +242,10 @@ class PContext:
     async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
         assert self._files is not None
         assert self._tg is not None
-        self._io.open(self._tg, self._spec)
+        try:
+            self._io.open(self._tg, self._spec)
+        except OSError as exc:
+            preparing.raise_start_error(exc, f"the output readers of {self.name!r}")
         starter = GroupStarter(
             self._spec,
             self._files,

@@ -13,8 +13,13 @@ the loop's thread; an end-of-file or hang-up counts as readable. As with ``add_r
 a descriptor must be removed while its number still names it (before ``os.close``):
 an epoll registration follows the open file, which a forked child may keep open.
 
-A hub exists only while it has descriptors: the last :meth:`ReaderHub.remove` closes its
-epoll, so an idle supervisor (or a test's closed loop) holds no descriptor for it.
+A hub exists only while it has descriptors or is held: a group holds its loop's hub
+from its first start to the end of its output (:func:`hold_reader_hub`), and the last
+:meth:`ReaderHub.remove` or release closes its epoll, so an idle supervisor (or a test's
+closed loop) holds no descriptor for it. The hold is for workers that exit as fast as
+they start (``/bin/true``, a failing import): without it the hub of a starting group
+emptied between most starts, and each new worker made the epoll and its loop
+registration again.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from collections.abc import Callable
 from ._backend import callback_context
 from ._runtime import forget_in_child
 
-__all__ = ["ReaderHub", "reader_hub"]
+__all__ = ["ReaderHub", "hold_reader_hub", "reader_hub"]
 
 #: The most descriptors one wake-up serves; the rest wait for the loop's next turn
 #: (level-triggered: nothing is lost), so a flood of output cannot hold the loop.
@@ -36,12 +41,13 @@ _MAX_EVENTS = 256
 class ReaderHub:
     """The readers of one event loop's worker descriptors (see the module documentation)."""
 
-    __slots__ = ("_callbacks", "_epoll", "_loop")
+    __slots__ = ("_callbacks", "_epoll", "_holds", "_loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._epoll = select.epoll()  # close-on-exec, as every fd Python creates
         self._callbacks: dict[int, Callable[[], None]] = {}
+        self._holds = 0
         # A callback outside any task finds no async library through sniffio: the
         # callbacks run in a context that names asyncio (they may start tasks).
         loop.add_reader(self._epoll.fileno(), callback_context().run, self._dispatch)
@@ -58,13 +64,33 @@ class ReaderHub:
         self._callbacks[fd] = callback
 
     def remove(self, fd: int) -> bool:
-        """Stop reading ``fd``; whether it had a reader. The last one closes the hub."""
+        """Stop reading ``fd``; whether it had a reader. The last one closes an unheld hub."""
         if self._callbacks.pop(fd, None) is None:
             return False
         self._epoll.unregister(fd)
-        if not self._callbacks:
-            self.close()
+        self._close_if_idle()
         return True
+
+    def hold(self) -> Callable[[], None]:
+        """Keep the hub open, without descriptors too, until the returned release is called.
+
+        The release may be called more than once; only the first counts.
+        """
+        self._holds += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._holds -= 1
+                self._close_if_idle()
+
+        return release
+
+    def _close_if_idle(self) -> None:
+        if not self._callbacks and not self._holds:
+            self.close()
 
     def _dispatch(self) -> None:
         try:
@@ -106,7 +132,7 @@ class ReaderHub:
 
 
 #: The open hub of each loop that has one (a hub holds its loop only while it has
-#: descriptors, see the module documentation).
+#: descriptors or holds, see the module documentation).
 _hubs: dict[asyncio.AbstractEventLoop, ReaderHub] = {}
 
 
@@ -116,6 +142,11 @@ def reader_hub(loop: asyncio.AbstractEventLoop) -> ReaderHub:
     if hub is None:
         hub = _hubs[loop] = ReaderHub(loop)
     return hub
+
+
+def hold_reader_hub(loop: asyncio.AbstractEventLoop) -> Callable[[], None]:
+    """Open the hub of ``loop`` if needed and hold it open (see :meth:`ReaderHub.hold`)."""
+    return reader_hub(loop).hold()
 
 
 # A forked child runs loops of its own: its parent's hubs are not its to use.
