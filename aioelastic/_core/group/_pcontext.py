@@ -244,8 +244,8 @@ class PContext:
         assert self._tg is not None
         try:
             self._io.open(self._tg, self._spec)
-        except OSError as exc:
-            preparing.raise_start_error(exc, f"the output readers of {self.name!r}")
+        except OSError as hub_error:
+            preparing.raise_start_error(hub_error, f"the output readers of {self.name!r}")
         starter = GroupStarter(
             self._spec,
             self._files,
