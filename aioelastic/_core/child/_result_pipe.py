@@ -11,6 +11,12 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from ..process._reader_hub import ReaderHub
 
 _HEADER = struct.Struct("=Q")
 _CHUNK = 1 << 20
@@ -36,6 +42,8 @@ class ResultReceiver:
         self._fd: int | None = fd
         self._buffer = bytearray()
         self._expected: int | None = None
+        #: Where the pipe is registered for reading, while it is (see :meth:`start`).
+        self._hub: ReaderHub | None = None
 
     @property
     def complete(self) -> bool:
@@ -75,17 +83,29 @@ class ResultReceiver:
             self.close()
         return True
 
-    async def run(self) -> None:
-        """Read until the message is complete or the pipe reaches end-of-file."""
-        # Imported here: the worker side of this module (send_result) runs in every
-        # spawned worker, which should not pay for importing anyio.
-        import anyio
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Read the pipe from ``loop``'s callbacks until the message is complete or ends.
 
-        while self._fd is not None and not self.drain():
-            await anyio.wait_readable(self._fd)
+        A reader callback, not a task: a task and its cancel scope cost more than the
+        rest of a small function worker's start.
+        """
+        # Imported here: the worker side of this module (send_result) runs in every
+        # spawned worker, which should not pay for importing asyncio.
+        from ..process._reader_hub import reader_hub
+
+        if self._fd is None or self._hub is not None:
+            return
+        self._hub = reader_hub(loop)
+        self._hub.add(self._fd, self._on_readable)
+
+    def _on_readable(self) -> None:
+        self.drain()  # closes (and unregisters) the pipe once it is done
 
     def close(self) -> None:
-        """Close the read end (idempotent)."""
+        """Stop reading and close the read end (idempotent)."""
+        hub, self._hub = self._hub, None
+        if hub is not None and self._fd is not None:
+            hub.remove(self._fd)  # while the number still names this pipe
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None

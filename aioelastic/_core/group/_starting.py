@@ -13,6 +13,7 @@ ends, the pumps, the log files).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import os
@@ -254,7 +255,7 @@ class GroupStarter:
             target = opening.stdio.stdin_target(rank, self._label(rank), launched.pid, streams)
             self._run_io(self._stdin_router().attach, target)
         if worker.result is not None:
-            self._run_io(worker.result.run)
+            worker.result.start(asyncio.get_running_loop())
         if launched.payload_fd is not None:
             assert isinstance(opening.prepared.payload, bytes)
             self._run_io(feed_payload, launched.payload_fd, opening.prepared.payload)
