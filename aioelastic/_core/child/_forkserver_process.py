@@ -60,6 +60,7 @@ from ..process._status import encode_status
 # Imported here, once, not in each worker after its fork: the import cost every worker
 # ~4 ms of CPU and ~750 pages copied from the memory it shares with us.
 from ._bootstrap import forked_worker, reset_inherited_signal_state
+from ._huge_pages import fold_into_huge_pages
 from ._preload import UnforkablePreloadError, import_preload
 
 _MAX_MSG = 1 << 16
@@ -163,6 +164,9 @@ def main(control_fd: int, parent_pid: int) -> None:
     gc.freeze()
     if gc.get_threshold()[0] == 0:  # unless the preload chose thresholds of its own
         gc.set_threshold(*thresholds)
+    # Before the first fork: the kernel folds no page a child shares with us, and every
+    # fork and exit from now on costs a third of what it would (see _huge_pages).
+    fold_into_huge_pages()
     sock.sendmsg([b"K"])
     _Server(sock, reserve, main_prep).serve()
     # Finalising an interpreter that imported torch takes a few hundred ms of CPU, spent
@@ -299,7 +303,6 @@ class _Server:
                 self._handoff_answered(handoff)  # never acknowledged: stopped, or stuck
 
     def _handle_request(self) -> bool:
-        self._last_request = time.monotonic()
         if self._reserve is not None:
             os.close(self._reserve)
             self._reserve = None
@@ -318,6 +321,11 @@ class _Server:
             self._spare_target = min(int(msg[1:]), MAX_SPARES)
             self._spares_failed = False
             self._drop_spares(self._spare_target)
+            # Sent once a group's starts are all made: its spares are forked from now,
+            # not after a quiet spell. A group that fails as soon as it started restarts
+            # within tens of milliseconds, and a spare not forked by then is a fork on
+            # the restart's path.
+            self._last_request = 0.0
         elif kind == b"Q" and fds:
             # Make the spares now, not when idle, and say how many there are.
             while len(self._spares) < self._spare_target and not self._spares_failed:
@@ -332,6 +340,9 @@ class _Server:
         return True
 
     def _start_request(self, kind: bytes, msg: bytes, fds: list[int], flags: int) -> None:
+        # Only starts defer idle work: a teardown's releases (R) are when the spares of
+        # the restart that follows must be forked.
+        self._last_request = time.monotonic()
         has_stdin = msg[1:2] == WITH_STDIN
         expected = (5 if kind == b"C" else 6) + has_stdin
         problem = None
