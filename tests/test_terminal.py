@@ -333,6 +333,19 @@ def test_the_rank_that_asks_for_input_gets_what_is_typed(
     assert b"\r\n\r\n" not in term.data, term.text()
 
 
+def test_a_prompt_read_seconds_after_it_is_written_still_gets_the_keyboard(
+    terminal: type[Terminal], fifos: list[str]
+) -> None:
+    # Rank 1 reads 1.5 s after its prompt, past the quick looks that follow a prompt: the
+    # note still comes before anything is typed (the prompt keeps being looked at).
+    term = terminal(["--nproc-per-node", "2", SCRIPT, "rank1_asks", *fifos, "1.5"])
+    term.wait_for(rb"rank 0 waits for rank 1\r\n(name\? \r\n)?" + _note(1) + rb"name\? $")
+    term.type(b"Bob\r")
+    term.wait_for(rb"rank 1 got 'Bob'\r\n")
+    term.wait_for(rb"rank 0 heard 'Bob'\r\n")
+    assert term.finish() == 0, term.text()
+
+
 def test_breakpoint_in_rank_1_of_two_is_a_working_debugger(
     terminal: type[Terminal], fifo: str
 ) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 
 def cmd_tty(args: list[str]) -> None:
@@ -69,12 +70,20 @@ def cmd_rank1_asks(args: list[str]) -> None:
 
     Rank 0 prints that it waits, then tells rank 1 to ask through the FIFO ``args[0]``
     (so its line is out before the prompt), and stays running, not reading stdin, until
-    rank 1 sends the name through the FIFO ``args[1]``.
+    rank 1 sends the name through the FIFO ``args[1]``. With ``args[2]``, rank 1 works
+    that many seconds between its prompt and its read, as a program that asks first and
+    reads later does (and as a loaded machine makes any program do).
     """
     if os.environ["RANK"] == "1":
         with open(args[0]) as go:
             go.read()
-        name = input("name? ")
+        if len(args) > 2:
+            sys.stderr.write("name? ")
+            sys.stderr.flush()
+            time.sleep(float(args[2]))
+            name = input()
+        else:
+            name = input("name? ")
         print(f"rank 1 got {name!r}", flush=True)
         with open(args[1], "w") as fifo:
             fifo.write(name)

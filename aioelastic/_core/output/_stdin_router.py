@@ -22,9 +22,11 @@ single worker's is.
 Why ``/proc`` is looked at on events and a few timers rather than watched: the kernel
 sends no event when a process starts to read a terminal. The look is made when a worker
 leaves a partial line (a prompt) on its output, a few times in the next fraction of a
-second (its read follows the prompt's write), when a line is typed, and — only while a
-typed line waits for a reader — on a backoff timer. When ``/proc`` cannot tell (no ptrace
-access, an unknown machine), a worker whose output ends with a prompt counts as reading.
+second (its read follows the prompt's write), then on a backoff timer while that prompt
+stands unanswered (a loaded machine may run the read seconds later), when a line is
+typed, and — only while a typed line waits for a reader — on a backoff timer. When
+``/proc`` cannot tell (no ptrace access, an unknown machine), a worker whose output ends
+with a prompt counts as reading.
 
 Ctrl-C and Ctrl-Z never pass through here: the real terminal turns them into signals for
 the supervisor's process group, as before. Ctrl-D (an empty read) is passed on as the
@@ -57,6 +59,9 @@ _EOF = b"\x04"
 OWNER_GRACE = 0.5
 #: After a prompt, when to look again (seconds after it) for the read that follows it.
 _PROMPT_LOOKS = (0.002, 0.01, 0.03, 0.06, 0.1, 0.2, 0.35)
+#: A prompt still unread after those looks (a loaded machine can run the read that follows
+#: it much later): the first and the longest wait between further looks, while it stands.
+_STANDING_PROMPT_LOOKS = (0.5, 2.0)
 #: The most of a prompt kept to show it again.
 _PROMPT_MAX = 256
 #: While a typed line waits for a reader: the first and the longest wait between looks.
@@ -103,6 +108,8 @@ class StdinTarget:
     looks: deque[float] = field(default_factory=deque)
     #: Wakes the router for the first of those looks.
     look_timer: asyncio.TimerHandle | None = None
+    #: The wait before the next look at a prompt that outlived those looks; 0 before.
+    standing_wait: float = 0.0
 
     def drop_looks(self) -> None:
         """Forget the looks planned after a prompt."""
@@ -249,6 +256,11 @@ class StdinRouter:
                 target.looks.popleft()
             if look_at_all or due:
                 self._look(target, now)
+            if due and not target.looks and _prompt_stands(target):
+                first, longest = _STANDING_PROMPT_LOOKS
+                wait = target.standing_wait
+                target.standing_wait = first if not wait else min(2 * wait, longest)
+                target.looks.append(now + target.standing_wait)
         readers = [t for t in self._targets if t.asking_since is not None]
         owner = self._owner
         if owner is not None and owner.asking_since is None and readers:
@@ -328,6 +340,7 @@ class StdinRouter:
         # A timer, not a wake-up of the router now: most partial chunks are completed
         # by the next one within microseconds, which cancels it.
         now = self._loop.time()
+        target.standing_wait = 0.0
         target.looks.extend(now + delay for delay in _PROMPT_LOOKS)
         target.look_timer = self._loop.call_at(target.looks[0], self._poke)
 
@@ -383,6 +396,17 @@ def _typed() -> bool:
         return bool(select.select([0], [], [], 0)[0])
     except (OSError, ValueError):
         return False
+
+
+def _prompt_stands(target: StdinTarget) -> bool:
+    """Whether ``target``'s output still ends with a prompt nobody answered, unread."""
+    return (
+        target.asking_since is None
+        and bool(target.prompt_text)
+        and b"\r" not in target.prompt_text
+        and not target.typed_since_output
+        and _alive(target.pid)
+    )
 
 
 def _alive(pid: int) -> bool:
