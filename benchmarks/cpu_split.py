@@ -9,26 +9,58 @@ alternating, one warm-up each), and prints the CPU time per worker spent by:
 - the workers themselves (their exec and exit: ``RUSAGE_CHILDREN`` of whoever reaped
   them, the supervisor for torch, the watchdog for us);
 
-and the wall time. On a machine with few cores a job of many short workers is bound by
-the sum, which is why this split says more than the wall time alone. ``/proc`` counts in
-clock ticks (10 ms): use N >= 128 and several repetitions.
+the part of the supervisor's CPU spent in Python's garbage collector (a mean over the
+repetitions: a full collection of a torch-loaded heap costs ~80 ms and comes every few
+runs), with the number of full collections; and the wall time. On a machine with few
+cores a job of many short workers is bound by the sum, which is why this split says more
+than the wall time alone. ``/proc`` counts in clock ticks (10 ms): use N >= 128 and
+several repetitions.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aioelastic._core.process._platform import children_of, proc_stat
 
 TRUE = "/bin/true"
 _TICK = os.sysconf("SC_CLK_TCK")
+
+
+#: The generation a full collection collects.
+_OLDEST = len(gc.get_threshold()) - 1
+
+
+class _Collections:
+    """Time spent in the garbage collector, and full collections, while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._began
+        self.full += info["generation"] == _OLDEST
+
+    def __enter__(self) -> _Collections:
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
 
 
 def _self_and_children() -> tuple[float, float]:
@@ -75,7 +107,8 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
     helper0 = _proc_times(pid) if pid else (0.0, 0.0)
     self0, _ = _self_and_children()
     start = time.monotonic()
-    asyncio.run(run())
+    with _Collections() as collections:
+        asyncio.run(run())
     wall = time.monotonic() - start
     self1, _ = _self_and_children()
     pid = watchdog.pid
@@ -87,27 +120,41 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
         "supervisor": self1 - self0,
         "helper": helper1[0] - helper0[0],
         "workers": helper1[1] - helper0[1],
+        "gc": collections.seconds,
+        "full": collections.full,
     }
 
 
 def _torch(n: int, log_dir: str) -> dict[str, float]:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
-
     self0, kids0 = _self_and_children()
     start = time.monotonic()
+    with _Collections() as collections:
+        result = _torch_run(n, log_dir)
+    wall = time.monotonic() - start
+    self1, kids1 = _self_and_children()
+    if result is None or result.is_failed():
+        raise RuntimeError(f"torch: {result}")
+    return {
+        "wall": wall,
+        "supervisor": self1 - self0,
+        "helper": 0.0,
+        "workers": kids1 - kids0,
+        "gc": collections.seconds,
+        "full": collections.full,
+    }
+
+
+def _torch_run(n: int, log_dir: str) -> Any:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+
     pc = start_processes(
         name="bench", entrypoint=TRUE, args={r: () for r in range(n)}, envs=_envs(n),
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )  # fmt: skip
     try:
-        result = pc.wait(period=0.01)
+        return pc.wait(period=0.01)
     finally:
         pc.close()
-    wall = time.monotonic() - start
-    self1, kids1 = _self_and_children()
-    if result is None or result.is_failed():
-        raise RuntimeError(f"torch: {result}")
-    return {"wall": wall, "supervisor": self1 - self0, "helper": 0.0, "workers": kids1 - kids0}
 
 
 def main() -> None:
@@ -131,11 +178,17 @@ def main() -> None:
                 if rep:  # the first is a warm-up (the watchdog's start, lazy imports)
                     samples[name].append(sample)
     print(f"N={args.n} x {TRUE}, torch loaded; medians of {args.reps}, ms per worker:")
-    print(f"{'side':45} {'wall':>8} {'supervisor':>11} {'helper':>8} {'workers':>8}")
+    print("(of the supervisor's: in the garbage collector, a mean; full collections in all)")
+    print(
+        f"{'side':45} {'wall':>8} {'supervisor':>11} {'of it gc':>9} {'full':>5} "
+        f"{'helper':>8} {'workers':>8}"
+    )
     for name, runs in samples.items():
         med = {key: statistics.median(run[key] for run in runs) * 1000 / args.n for key in runs[0]}
+        in_gc = statistics.mean(run["gc"] for run in runs) * 1000 / args.n
+        full = sum(int(run["full"]) for run in runs)
         print(
-            f"{name:45} {med['wall']:8.3f} {med['supervisor']:11.3f} "
+            f"{name:45} {med['wall']:8.3f} {med['supervisor']:11.3f} {in_gc:9.3f} {full:5d} "
             f"{med['helper']:8.3f} {med['workers']:8.3f}"
         )
 

@@ -589,10 +589,14 @@ def test_cpu_split_prints_each_sides_cpu_per_worker() -> None:
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert lines[0] == "N=16 x /bin/true, torch loaded; medians of 2, ms per worker:"
-    rows = {line[:45].strip(): line[45:].split() for line in lines[2:]}
+    assert lines[2].split() == [
+        "side", "wall", "supervisor", "of", "it", "gc", "full", "helper", "workers"
+    ]  # fmt: skip
+    rows = {line[:45].strip(): line[45:].split() for line in lines[3:]}
     assert set(rows) == {"aioelastic run_processes", "torch start_processes + wait(period=0.01)"}
-    for name, (wall, supervisor, helper, workers) in rows.items():
+    for name, (wall, supervisor, in_gc, full, helper, workers) in rows.items():
         assert float(wall) > 0, name
         # /proc counts in 10 ms ticks: at N=16 a share may round to 0, never below.
         assert min(float(supervisor), float(helper), float(workers)) >= 0, name
-    assert float(rows["torch start_processes + wait(period=0.01)"][2]) == 0  # no helper
+        assert float(in_gc) >= 0 and int(full) >= 0, name
+    assert float(rows["torch start_processes + wait(period=0.01)"][4]) == 0  # no helper

@@ -7,8 +7,10 @@ unlike wall time it does not count the moments a loaded machine gives the thread
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import aioelastic
 from aioelastic._core.process import _pace
 from aioelastic._core.process._pace import pace
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.timeout(120)]
 
 TICK = 0.005
 
@@ -81,6 +83,7 @@ async def _busy_callers(callers: int, pieces: int, piece: float, order: list[int
             tg.start_soon(caller, index)
 
 
+@pytest.mark.asyncio
 async def test_many_callers_share_one_budget_and_timers_run_between_turns() -> None:
     # 32 callers x 20 pieces of 0.5 ms: 320 ms of work ready at once. Without a shared
     # budget every caller runs before the timer does.
@@ -91,6 +94,7 @@ async def test_many_callers_share_one_budget_and_timers_run_between_turns() -> N
     assert worst_cpu < 3 * (_pace.TURN + 0.0005) + 0.004, f"{worst_cpu * 1000:.1f} ms of work"
 
 
+@pytest.mark.asyncio
 async def test_without_the_budget_the_same_work_holds_timers_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -101,6 +105,7 @@ async def test_without_the_budget_the_same_work_holds_timers_back(
     assert worst_cpu > 0.2
 
 
+@pytest.mark.asyncio
 async def test_callers_that_wait_go_on_in_the_order_they_came() -> None:
     order: list[int] = []
     # One piece each, each worth a whole turn: every caller after the first waits.
@@ -108,6 +113,7 @@ async def test_callers_that_wait_go_on_in_the_order_they_came() -> None:
     assert order == list(range(12))
 
 
+@pytest.mark.asyncio
 async def test_a_waiting_caller_that_is_cancelled_leaves_the_others_going() -> None:
     reached: list[int] = []
 
@@ -131,6 +137,7 @@ async def test_a_waiting_caller_that_is_cancelled_leaves_the_others_going() -> N
     assert reached == list(range(6))
 
 
+@pytest.mark.asyncio
 async def test_a_burst_of_64_groups_never_leaves_the_loop_unresponsive(tmp_path: Path) -> None:
     # 64 groups of 2 binaries entered at the same instant, as a service draining a queue
     # does. Before the shared budget the loop did 50-170 ms of work (its CPU time) between
@@ -160,3 +167,18 @@ async def test_a_burst_of_64_groups_never_leaves_the_loop_unresponsive(tmp_path:
     assert worst_cpu < 0.035, f"the loop worked {worst_cpu * 1000:.0f} ms before a due timer"
     for k in range(64):
         assert (tmp_path / f"g{k}" / "0" / "stdout.log").read_text() == "0\n"
+
+
+def test_a_loop_that_paced_is_not_kept_alive_after_it_closed() -> None:
+    # Each asyncio.run() makes a loop: the budget kept per loop must not keep it.
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def paced() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        for _ in range(3):
+            await pace()
+
+    for _ in range(2):
+        asyncio.run(paced())
+    gc.collect()
+    assert [ref() for ref in loops] == [None, None]

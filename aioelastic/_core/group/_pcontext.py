@@ -14,7 +14,6 @@ its output; :mod:`._settle` decides what became of it; :mod:`..worker._teardown`
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import enum
 import logging
@@ -190,9 +189,7 @@ class PContext:
         prepared = await self._open_and_prepare()
         # The log files no worker took over are closed however the start ends: all of
         # them if it failed, none are left once every worker started.
-        with contextlib.ExitStack() as always:
-            for rank_prep in prepared.values():
-                always.callback(rank_prep.close_logs)
+        try:
             try:
                 try:
                     if not watchdog.running():
@@ -211,6 +208,9 @@ class PContext:
                 await self.close()
                 await self._tg.__aexit__(None, None, None)
                 raise exc
+        finally:
+            for rank_prep in prepared.values():
+                rank_prep.close_logs()
         if self._phase is Phase.STARTING:  # not stopped while starting
             self._phase = Phase.RUNNING
         if self._hangs.watching:

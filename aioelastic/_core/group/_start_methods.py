@@ -119,8 +119,10 @@ class BinaryMethod:
 
         async def record(rank: int, opening: Opening, future: asyncio.Future[Any]) -> None:
             try:
-                with opening.child_ends:
+                try:
                     launched = await future
+                finally:
+                    opening.close_child_ends()
             except Exception as exc:
                 opening.abort()
                 starter.errors.append((rank, exc))

@@ -42,19 +42,20 @@ _WAKE = 8
 class _Turns:
     """The budget of one event loop: when its turn opened, and who waits for the next."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
+    # No reference to its loop: the loop is the key of this object in _TURNS, which would
+    # then keep every loop that ever paced alive.
+    def __init__(self) -> None:
         self.opened_at: float | None = None
         #: (ticket, waiter), the lowest ticket first: a caller woken too late for the
         #: budget of its turn waits again in the place it had.
         self._waiting: list[tuple[int, asyncio.Future[None]]] = []
         self._tickets = itertools.count()
 
-    def open(self, now: float) -> None:
+    def open(self, now: float, loop: asyncio.AbstractEventLoop) -> None:
         self.opened_at = now
         # Runs on the loop's next iteration, with the callbacks made ready meanwhile and
         # the timers that came due; the callers it wakes run on the iteration after.
-        self._loop.call_soon(self._close)
+        loop.call_soon(self._close, loop)
 
     def has_waiting(self) -> bool:
         return bool(self._waiting)
@@ -62,8 +63,8 @@ class _Turns:
     def ticket(self) -> int:
         return next(self._tickets)
 
-    async def wait(self, ticket: int) -> None:
-        waiter = self._loop.create_future()
+    async def wait(self, ticket: int, loop: asyncio.AbstractEventLoop) -> None:
+        waiter = loop.create_future()
         entry = (ticket, waiter)
         heapq.heappush(self._waiting, entry)
         try:
@@ -74,7 +75,7 @@ class _Turns:
                 heapq.heapify(self._waiting)
             raise
 
-    def _close(self) -> None:
+    def _close(self, loop: asyncio.AbstractEventLoop) -> None:
         self.opened_at = None
         # A few at a time: each woken caller that finds the next turn's budget spent
         # costs a task step for nothing, and a turn rarely has room for more.
@@ -85,11 +86,26 @@ class _Turns:
         if self._waiting:
             # The next turn opens now, so that its end wakes the next few, even if the
             # ones woken here were cancelled before they ran.
-            self.open(time.monotonic())
+            self.open(time.monotonic(), loop)
 
 
 _TURNS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Turns]
 _TURNS = weakref.WeakKeyDictionary()
+#: The loop last paced and its turns. A look-up in _TURNS makes a weak reference, an
+#: object for the garbage collector, and pace() runs a few times per worker started.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], _Turns] | None = None
+
+
+def _turns_of(loop: asyncio.AbstractEventLoop) -> _Turns:
+    global _last
+    last = _last  # one read: another thread's loop may replace it meanwhile
+    if last is not None and last[0]() is loop:
+        return last[1]
+    turns = _TURNS.get(loop)
+    if turns is None:
+        turns = _TURNS[loop] = _Turns()
+    _last = (weakref.ref(loop), turns)
+    return turns
 
 
 async def pace() -> None:
@@ -100,17 +116,15 @@ async def pace() -> None:
     while it waits.
     """
     loop = asyncio.get_running_loop()
-    turns = _TURNS.get(loop)
-    if turns is None:
-        turns = _TURNS[loop] = _Turns(loop)
+    turns = _turns_of(loop)
     ticket: int | None = None
     while True:
         now = time.monotonic()
         if turns.opened_at is None:
-            turns.open(now)
+            turns.open(now, loop)
             return
         if now - turns.opened_at < TURN and (ticket is not None or not turns.has_waiting()):
             return
         if ticket is None:
             ticket = turns.ticket()
-        await turns.wait(ticket)
+        await turns.wait(ticket, loop)
