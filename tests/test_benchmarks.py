@@ -598,5 +598,6 @@ def test_cpu_split_prints_each_sides_cpu_per_worker() -> None:
         assert float(wall) > 0, name
         # /proc counts in 10 ms ticks: at N=16 a share may round to 0, never below.
         assert min(float(supervisor), float(helper), float(workers)) >= 0, name
-        assert float(in_gc) >= 0 and int(full) >= 0, name
+        assert float(in_gc) >= 0, name
+        assert int(full) >= 0, name
     assert float(rows["torch start_processes + wait(period=0.01)"][4]) == 0  # no helper
