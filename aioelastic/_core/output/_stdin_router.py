@@ -232,8 +232,7 @@ class StdinRouter:
                 timeouts.append(self._look_all_at - now)
             if typed:
                 # A line waits and nobody reads it: look again later (see the docstring).
-                first, longest = _WAITING_LINE_LOOKS
-                line_wait = first if line_wait is None else min(2 * line_wait, longest)
+                line_wait = _next_wait(line_wait, _WAITING_LINE_LOOKS)
                 timeouts.append(line_wait)
             timeout = max(min(timeouts), 0.0) if timeouts else None
             # stdin is watched only while it has nothing waiting and a worker to go to:
@@ -257,9 +256,7 @@ class StdinRouter:
             if look_at_all or due:
                 self._look(target, now)
             if due and not target.looks and _prompt_stands(target):
-                first, longest = _STANDING_PROMPT_LOOKS
-                wait = target.standing_wait
-                target.standing_wait = first if not wait else min(2 * wait, longest)
+                target.standing_wait = _next_wait(target.standing_wait, _STANDING_PROMPT_LOOKS)
                 target.looks.append(now + target.standing_wait)
         readers = [t for t in self._targets if t.asking_since is not None]
         owner = self._owner
@@ -332,7 +329,7 @@ class StdinRouter:
         # workers' threads at every frame would cost more than the bar. Nor is a line
         # whose end comes later (``python -u`` writes a print's newline on its own): the
         # looks it scheduled are dropped.
-        if not tail or b"\r" in tail:
+        if not _is_prompt(tail):
             target.drop_looks()
             return
         if self._alone or self._loop is None or target.looks:
@@ -402,11 +399,21 @@ def _prompt_stands(target: StdinTarget) -> bool:
     """Whether ``target``'s output still ends with a prompt nobody answered, unread."""
     return (
         target.asking_since is None
-        and bool(target.prompt_text)
-        and b"\r" not in target.prompt_text
+        and _is_prompt(target.prompt_text)
         and not target.typed_since_output
         and _alive(target.pid)
     )
+
+
+def _is_prompt(tail: bytes) -> bool:
+    """Whether the partial line an output ends with may be a prompt (not a ``\r`` frame)."""
+    return bool(tail) and b"\r" not in tail
+
+
+def _next_wait(previous: float | None, bounds: tuple[float, float]) -> float:
+    """The next wait of a doubling backoff within ``bounds`` (first, longest)."""
+    first, longest = bounds
+    return first if not previous else min(2 * previous, longest)
 
 
 def _alive(pid: int) -> bool:
