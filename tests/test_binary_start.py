@@ -512,3 +512,99 @@ async def test_a_stopped_watchdog_that_never_reports_an_exit_does_not_hold_up_te
     again = await aioelastic.run_processes("after", "/bin/true", {0: ()}, {0: {}})
     assert not again.is_failed()
     assert watchdog.pid == watchdog_pid
+
+
+async def _worst_gap_until(done: anyio.Event) -> float:
+    """The longest the event loop went without running this task, until ``done``."""
+    worst, last = 0.0, time.monotonic()
+    while not done.is_set():
+        await anyio.sleep(0.005)
+        now = time.monotonic()
+        worst, last = max(worst, now - last), now
+    return worst
+
+
+@pytest.mark.timeout(120)
+async def test_starts_queued_at_a_stopped_watchdog_never_block_the_event_loop(
+    fresh_watchdog: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Python's socket.send_fds drops its flags (CPython gh-107898): a "non-blocking"
+    # start message to a watchdog with a full socket waited in the event loop for the
+    # watchdog to read. Stopped, it never reads: the loop froze, and here could not
+    # even continue it. Now what the socket cannot take goes from launcher threads.
+    groups = 120  # one start message each: more than the socket's buffer holds
+    watchdog.ensure_started()
+    assert watchdog.pid is not None
+    from_threads: list[int] = []
+    real_send_batch = _binary_start.send_batch
+
+    def counting(base_env: dict[str, str], batch: list[BinaryStart], *, block: bool) -> object:
+        if block:
+            from_threads.append(len(batch))
+        return real_send_batch(base_env, batch, block=block)
+
+    monkeypatch.setattr(_binary_start, "send_batch", counting)
+    results: list[aioelastic.RunProcsResult] = []
+    os.kill(watchdog.pid, signal.SIGSTOP)
+    try:
+        with anyio.fail_after(90):
+            async with anyio.create_task_group() as tg:
+                for k in range(groups):
+
+                    async def one(k: int = k) -> None:
+                        results.append(
+                            await aioelastic.run_processes(f"g{k}", "/bin/true", {0: ()}, {0: {}})
+                        )
+
+                    tg.start_soon(one)
+                stopped_for = anyio.Event()
+                tg.start_soon(_set_after, stopped_for, 1.0)
+                worst = await _worst_gap_until(stopped_for)
+                os.kill(watchdog.pid, signal.SIGCONT)
+    finally:
+        os.kill(watchdog.pid, signal.SIGCONT)
+    assert from_threads, "every start message fit in the socket: nothing was tested"
+    assert worst < 0.5, f"the event loop stood still for {worst * 1000:.0f} ms"
+    assert len(results) == groups
+    assert not any(result.is_failed() for result in results)
+
+
+async def _set_after(event: anyio.Event, seconds: float) -> None:
+    await anyio.sleep(seconds)
+    event.set()
+
+
+async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arrive_in_order(
+    fresh_watchdog: None,
+) -> None:
+    # Watching and forgetting a group are one small message each; a datagram socket
+    # takes a bounded number however small. At a stopped watchdog the ones beyond wait
+    # in the supervisor, sent in order once it reads again: a group watched and
+    # forgotten many times is forgotten in the end, so the watchdog's exit spares it.
+    watchdog.ensure_started()
+    watchdog_pid = watchdog.pid
+    assert watchdog_pid is not None
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        os.kill(watchdog_pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            for _ in range(2000):
+                watchdog.watch(bystander.pid)
+                watchdog.forget(bystander.pid)
+            queued = len(watchdog._messages)
+            took = time.monotonic() - started
+        finally:
+            os.kill(watchdog_pid, signal.SIGCONT)
+        assert queued > 0, "every message fit in the socket: nothing was tested"
+        assert took < 5, f"4000 messages took {took:.1f} s to hand over"
+        with anyio.fail_after(30):
+            while len(watchdog._messages):
+                await anyio.sleep(0.01)
+        result = await aioelastic.run_processes("after", "/bin/sh", {0: ("-c", "exit 3")}, {0: {}})
+        assert result.failures[0].exitcode == 3
+        watchdog.stop()  # it kills every group it still watches
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()

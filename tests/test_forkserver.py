@@ -502,6 +502,61 @@ async def test_a_stopped_spare_is_given_up_after_its_timeout_and_the_start_still
         _stop(preload)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(120)
+async def test_requests_queued_at_a_stopped_server_never_block_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Python's socket.send_fds drops its flags (CPython gh-107898): a "non-blocking"
+    # start request to a server with a full socket waited in the event loop until the
+    # server read. Stopped, it never reads: the loop froze, and could not continue it.
+    # Now what the socket cannot take goes from launcher threads.
+    from aioelastic._core.start._forkserver import ForkServer
+
+    preload = ("tests.children.core",)
+    groups, size = 16, 8  # one request per worker: more than the socket's buffer holds
+    from_threads: list[bool] = []
+    real_send = ForkServer._send_request
+
+    def counting(self: ForkServer, *args: Any, block: bool) -> Any:
+        if block:
+            from_threads.append(block)
+        return real_send(self, *args, block=block)
+
+    monkeypatch.setattr(ForkServer, "_send_request", counting)
+    results: list[aioelastic.RunProcsResult] = []
+    try:
+        assert (await add_on_server("warm", preload, (1, 2))).return_values == {0: 3}
+        server = fork_server(preload)
+        assert server.pid is not None
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            with anyio.fail_after(90):
+                async with anyio.create_task_group() as tg:
+                    for k in range(groups):
+
+                        async def one(k: int = k) -> None:
+                            pairs = [(k, r) for r in range(size)]
+                            results.append(await add_on_server(f"g{k}", preload, *pairs))
+
+                        tg.start_soon(one)
+                    worst, last, until = 0.0, time.monotonic(), time.monotonic() + 1.0
+                    while time.monotonic() < until:
+                        await anyio.sleep(0.005)
+                        now = time.monotonic()
+                        worst, last = max(worst, now - last), now
+                    os.kill(server.pid, signal.SIGCONT)
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+    finally:
+        _stop(preload)
+    assert from_threads, "every request fit in the socket: nothing was tested"
+    assert worst < 0.5, f"the event loop stood still for {worst * 1000:.0f} ms"
+    assert sorted(sum(r.return_values.values()) for r in results) == [
+        8 * k + 28 for k in range(groups)
+    ]
+
+
 @pytest.mark.timeout(60)
 def test_a_main_script_the_server_cannot_import_fails_only_the_calls_that_need_it(
     tmp_path: Path,

@@ -8,12 +8,14 @@ of the package asks these functions and never checks the platform itself.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import ctypes.util
 import errno
 import functools
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
@@ -310,6 +312,17 @@ def pidfd_open(pid: int) -> int | None:
         if exc.errno in (errno.ESRCH, errno.EINVAL, errno.ENOSYS, errno.EPERM):
             return None
         raise
+
+
+def send_fds(sock: socket.socket, buffers: list[bytes], fds: list[int], flags: int = 0) -> int:
+    """``socket.send_fds`` that honours ``flags``.
+
+    The standard library's drops its ``flags`` (CPython gh-107898, every version up to
+    3.13): a ``MSG_DONTWAIT`` send blocked until the peer read, freezing the event loop
+    behind a helper process busy with a burst of starts.
+    """
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+    return sock.sendmsg(buffers, rights, flags)
 
 
 def new_group_popen_kwargs(preexec: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -32,9 +32,11 @@ import anyio.to_thread
 
 from ..child import _forkserver_process
 from ..child._forkserver_process import _MAX_MSG, INLINE_CALL_MAX, WITH_STDIN, WITHOUT_STDIN
+from ..process import _platform
 from ..process._runtime import forget_in_child, runtime
 from ..process._subreaper import lineage_env
 from ._exit_watch import StatusPipeWatch
+from ._helper_messages import HelperMessages
 from ._launchers import Launched, on_launcher_thread, preparation_data, start_python
 
 logger = logging.getLogger("aioelastic.forkserver")
@@ -84,6 +86,8 @@ class ForkServer:
         self._lock = threading.Lock()
         # While one task starts the server, the others wait for it here.
         self._starting: _Starting | None = None
+        # Releases and spare counts, sent without ever waiting (see HelperMessages).
+        self._messages = HelperMessages(lambda: self._sock)
 
     def __repr__(self) -> str:
         state = "running" if self._sock is not None else "not running"
@@ -287,7 +291,7 @@ class ForkServer:
             if sock is not self._sock:
                 raise _ServerGone("it was replaced")
             try:
-                socket.send_fds(sock, [message], fds, 0 if block else socket.MSG_DONTWAIT)
+                _platform.send_fds(sock, [message], fds, 0 if block else socket.MSG_DONTWAIT)
             except BlockingIOError:
                 raise
             except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as e:
@@ -326,7 +330,7 @@ class ForkServer:
             self._popen = None
 
     def _release(self, pid: int) -> None:
-        self._tell(b"R%d" % pid)
+        self._messages.send(b"R%d" % pid)
 
     def keep_spares(self, count: int) -> None:
         """Have the server keep ``count`` workers forked ahead (at most :data:`MAX_SPARES`).
@@ -335,7 +339,7 @@ class ForkServer:
         then costs no fork: the next start of a group this size (an agent's restart, the
         next job) finds its workers already made.
         """
-        self._tell(b"W%d" % max(0, count))
+        self._messages.send(b"W%d" % max(0, count))
 
     async def spares_ready(self) -> int:
         """Have the server make its spares now; the number it holds (0: not running)."""
@@ -355,15 +359,6 @@ class ForkServer:
         finally:
             answers.close()
         return int(answer) if answer else 0
-
-    def _tell(self, message: bytes) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            sock.sendmsg([message])
-        except OSError:
-            pass  # the server is gone, and its children with it
 
     def close(self) -> None:
         """Stop the server: it sees end-of-file and exits (reaped at interpreter exit)."""

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from ..process import _platform, _subreaper
 from ..process._runtime import forget_in_child, runtime
+from ._helper_messages import HelperMessages
 
 _SCRIPT = str(Path(__file__).parent.parent / "child" / "_watchdog_process.py")
 _MAX_MSG = 1 << 16
@@ -68,6 +69,8 @@ class Watchdog:
         self._spawned: set[int] = set()
         #: Released binary workers whose ``R`` is sent at the end of this loop turn.
         self._releases: list[int] = []
+        #: Watch, forget and release messages, sent without ever waiting.
+        self._messages = HelperMessages(lambda: self._sock)
 
     def __repr__(self) -> str:
         state = "running" if self.running() else "not running"
@@ -157,7 +160,7 @@ class Watchdog:
         assert sock is not None
         flags = 0 if block else socket.MSG_DONTWAIT
         if len(body) < _INLINE_MAX:
-            socket.send_fds(sock, [b"B" + body], fds, flags)
+            _platform.send_fds(sock, [b"B" + body], fds, flags)
             return
         # Larger than one datagram may be (the socket's send buffer): a memfd.
         memfd = os.memfd_create("aioelastic-spawn", os.MFD_CLOEXEC)
@@ -165,7 +168,7 @@ class Watchdog:
             view = memoryview(body)
             while view:
                 view = view[os.write(memfd, view) :]
-            socket.send_fds(sock, [b"M"], [*fds, memfd], flags)
+            _platform.send_fds(sock, [b"M"], [*fds, memfd], flags)
         finally:
             os.close(memfd)
 
@@ -183,7 +186,7 @@ class Watchdog:
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            self._send(b"R%d" % pid)  # on a launcher thread
+            self._messages.send(b"R%d" % pid)  # on a launcher thread
             return
         # Teardown releases a group's workers one after the other in one turn of the
         # loop: one message for all of them, one wake-up of the watchdog. Holding a
@@ -194,29 +197,20 @@ class Watchdog:
 
     def _send_releases(self) -> None:
         pids, self._releases = self._releases, []
-        self._send(b"R" + b" ".join(b"%d" % pid for pid in pids))
+        self._messages.send(b"R" + b" ".join(b"%d" % pid for pid in pids))
 
     def watch(self, pgid: int) -> None:
         """Kill process group ``pgid`` if the supervisor dies before :meth:`forget`."""
         if pgid in self._spawned:
             return  # the watchdog recorded the group itself when it started the worker
-        self._send(b"+%d" % pgid)
+        self._messages.send(b"+%d" % pgid)
 
     def forget(self, pgid: int) -> None:
         """Stop watching ``pgid`` (its leader was reaped)."""
         if pgid in self._spawned:
             self._spawned.discard(pgid)
             return  # the release (``R``) of a binary worker forgot its group already
-        self._send(b"-%d" % pgid)
-
-    def _send(self, message: bytes) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        try:
-            sock.sendmsg([message])
-        except OSError:
-            pass  # the watchdog is gone; workers still have their parent-death signal
+        self._messages.send(b"-%d" % pgid)
 
     def fileno(self) -> int | None:
         """The fd of the socket to the watchdog (a forked worker must close it)."""
@@ -255,6 +249,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._spawned = set()
         self._releases = []
+        self._messages = HelperMessages(lambda: self._sock)
 
 
 #: The watchdog of this process (started on first use).

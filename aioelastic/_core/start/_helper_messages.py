@@ -1,0 +1,81 @@
+"""Small messages to a helper process (the watchdog, a fork server), sent without waiting.
+
+Both helpers are told things on a ``SOCK_SEQPACKET`` socket: watch or forget a group,
+reap a worker, keep spares. A datagram socket holds a bounded number of messages however
+small they are, and while a helper works through a burst of start requests it reads none:
+a plain blocking send then froze the event loop until the helper had read its way down
+to it (tens of milliseconds for a burst of 64 jobs; for ever at a stopped helper).
+
+:class:`HelperMessages` sends at once when there is room and otherwise queues, and
+everything after a queued message queues behind it, so the helper reads them in the
+order they were sent (a release before the watch of a later group given the same pid).
+One launcher thread drains the queue, blocking on each message in turn.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from ._launchers import launcher_pool
+
+
+class HelperMessages:
+    """An ordered, never-waiting sender of small messages to one helper.
+
+    Args:
+        current_socket: the helper's socket now (``None`` when it is not running): a
+            helper that was replaced gets what was still queued for the one before,
+            which only ever repeats what it must know anyway.
+    """
+
+    def __init__(self, current_socket: Callable[[], socket.socket | None]) -> None:
+        self._current_socket = current_socket
+        self._queue: deque[bytes] = deque()
+        self._lock = threading.Lock()
+        self._draining = False
+
+    def __len__(self) -> int:
+        """Messages queued, not yet in the helper's socket."""
+        return len(self._queue)
+
+    def send(self, message: bytes) -> None:
+        """Send ``message`` now if the socket has room, else after those queued before it."""
+        sock = self._current_socket()
+        if sock is None:
+            return
+        with self._lock:
+            if not self._queue:
+                try:
+                    sock.sendmsg([message], [], socket.MSG_DONTWAIT)
+                    return
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return  # the helper is gone; its replacement starts afresh
+            self._queue.append(message)
+            if self._draining:
+                return
+            self._draining = True
+        launcher_pool().submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._lock:
+                sock = self._current_socket()
+                if not self._queue or sock is None:
+                    self._queue.clear()
+                    self._draining = False
+                    return
+                message = self._queue[0]
+            try:
+                sock.sendmsg([message])
+            except OSError:
+                with self._lock:
+                    self._queue.clear()
+                    self._draining = False
+                return
+            with self._lock:
+                self._queue.popleft()
