@@ -9,6 +9,7 @@ before answering reported as not started.
 
 from __future__ import annotations
 
+import functools
 import os
 import select
 import signal
@@ -30,7 +31,13 @@ from aioelastic._core.start import _binary_start
 from aioelastic._core.start._binary_start import MAX_BATCH, BinaryLauncher, BinaryStart, send_batch
 from aioelastic._core.start._watchdog import watchdog
 from tests.audit import MARK_VAR, processes_with_env
-from tests.waits import ReadyFifo, close_with_reporter_stopped, is_running, process_state
+from tests.waits import (
+    ReadyFifo,
+    close_with_reporter_stopped,
+    is_running,
+    longest_loop_gap_while_stopped,
+    process_state,
+)
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
@@ -514,16 +521,6 @@ async def test_a_stopped_watchdog_that_never_reports_an_exit_does_not_hold_up_te
     assert watchdog.pid == watchdog_pid
 
 
-async def _worst_gap_until(done: anyio.Event) -> float:
-    """The longest the event loop went without running this task, until ``done``."""
-    worst, last = 0.0, time.monotonic()
-    while not done.is_set():
-        await anyio.sleep(0.005)
-        now = time.monotonic()
-        worst, last = max(worst, now - last), now
-    return worst
-
-
 @pytest.mark.timeout(120)
 async def test_starts_queued_at_a_stopped_watchdog_never_block_the_event_loop(
     fresh_watchdog: None, monkeypatch: pytest.MonkeyPatch
@@ -545,33 +542,18 @@ async def test_starts_queued_at_a_stopped_watchdog_never_block_the_event_loop(
 
     monkeypatch.setattr(_binary_start, "send_batch", counting)
     results: list[aioelastic.RunProcsResult] = []
-    os.kill(watchdog.pid, signal.SIGSTOP)
-    try:
-        with anyio.fail_after(90):
-            async with anyio.create_task_group() as tg:
-                for k in range(groups):
 
-                    async def one(k: int = k) -> None:
-                        results.append(
-                            await aioelastic.run_processes(f"g{k}", "/bin/true", {0: ()}, {0: {}})
-                        )
+    async def one(k: int) -> None:
+        results.append(await aioelastic.run_processes(f"g{k}", "/bin/true", {0: ()}, {0: {}}))
 
-                    tg.start_soon(one)
-                stopped_for = anyio.Event()
-                tg.start_soon(_set_after, stopped_for, 1.0)
-                worst = await _worst_gap_until(stopped_for)
-                os.kill(watchdog.pid, signal.SIGCONT)
-    finally:
-        os.kill(watchdog.pid, signal.SIGCONT)
+    with anyio.fail_after(90):
+        worst = await longest_loop_gap_while_stopped(
+            watchdog.pid, [functools.partial(one, k) for k in range(groups)]
+        )
     assert from_threads, "every start message fit in the socket: nothing was tested"
     assert worst < 0.5, f"the event loop stood still for {worst * 1000:.0f} ms"
     assert len(results) == groups
     assert not any(result.is_failed() for result in results)
-
-
-async def _set_after(event: anyio.Event, seconds: float) -> None:
-    await anyio.sleep(seconds)
-    event.set()
 
 
 async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arrive_in_order(

@@ -3,6 +3,7 @@ started from a supervisor with odd signal state. Real processes and real faults.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -23,7 +24,13 @@ from aioelastic._core.start._forkserver import INLINE_CALL_MAX, ForkServerError,
 from tests.audit import spare_pids
 from tests.children import core, preload_gc
 from tests.groups import envs
-from tests.waits import ReadyFifo, is_running, process_state, wait_gone
+from tests.waits import (
+    ReadyFifo,
+    is_running,
+    longest_loop_gap_while_stopped,
+    process_state,
+    wait_gone,
+)
 
 REPO_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -529,25 +536,15 @@ async def test_requests_queued_at_a_stopped_server_never_block_the_event_loop(
         assert (await add_on_server("warm", preload, (1, 2))).return_values == {0: 3}
         server = fork_server(preload)
         assert server.pid is not None
-        os.kill(server.pid, signal.SIGSTOP)
-        try:
-            with anyio.fail_after(90):
-                async with anyio.create_task_group() as tg:
-                    for k in range(groups):
 
-                        async def one(k: int = k) -> None:
-                            pairs = [(k, r) for r in range(size)]
-                            results.append(await add_on_server(f"g{k}", preload, *pairs))
+        async def one(k: int) -> None:
+            pairs = [(k, r) for r in range(size)]
+            results.append(await add_on_server(f"g{k}", preload, *pairs))
 
-                        tg.start_soon(one)
-                    worst, last, until = 0.0, time.monotonic(), time.monotonic() + 1.0
-                    while time.monotonic() < until:
-                        await anyio.sleep(0.005)
-                        now = time.monotonic()
-                        worst, last = max(worst, now - last), now
-                    os.kill(server.pid, signal.SIGCONT)
-        finally:
-            os.kill(server.pid, signal.SIGCONT)
+        with anyio.fail_after(90):
+            worst = await longest_loop_gap_while_stopped(
+                server.pid, [functools.partial(one, k) for k in range(groups)]
+            )
     finally:
         _stop(preload)
     assert from_threads, "every request fit in the socket: nothing was tested"

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -121,3 +121,32 @@ async def close_with_reporter_stopped(ctx: Any, reporter_pid: int, grace: float)
         "is unknown"
     )
     return result
+
+
+async def longest_loop_gap(seconds: float, tick: float = 0.005) -> float:
+    """Sleep ``tick`` at a time for ``seconds``; the longest the event loop kept this task
+    waiting between two wake-ups (a loop blocked in a system call shows here)."""
+    worst, last = 0.0, time.monotonic()
+    until = last + seconds
+    while last < until:
+        await anyio.sleep(tick)
+        now = time.monotonic()
+        worst, last = max(worst, now - last), now
+    return worst
+
+
+async def longest_loop_gap_while_stopped(
+    pid: int, jobs: Sequence[Callable[[], Awaitable[object]]], seconds: float = 1.0
+) -> float:
+    """Stop process ``pid`` (SIGSTOP), start ``jobs`` at once and tick for ``seconds``,
+    then continue it and await the jobs: the longest gap of the event loop meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with anyio.create_task_group() as tg:
+            for job in jobs:
+                tg.start_soon(job)
+            worst = await longest_loop_gap(seconds)
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return worst

@@ -29,8 +29,8 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
   forked ahead while the server is idle, each waits on a socket of its own and becomes
   the worker of the next start request, which then costs no fork. ``Q`` + fds [answer]:
   make the spares now and answer their number.
-* end-of-file on the socket: the supervisor is gone; the server exits, and its workers
-  follow through their parent-death signal.
+* end-of-file on the socket: the supervisor is gone; the server lets its spares go and
+  reaps them, then exits, and its workers follow through their parent-death signal.
 * server -> client ``E<text>`` (on the request's answer socket, or on this one at
   setup): a fork or the setup failed (the server carries on after a failed fork);
   ``U<text>``: the preload left it unsafe to fork (threads, CUDA). The server keeps one
@@ -291,6 +291,9 @@ class _Server:
             for key, _ in events:
                 if key.data is None:
                     if not self._handle_request():
+                        # Our exit is the caller's sign that we are gone: the spares too,
+                        # not orphans left for their parent-death signal to end.
+                        self._drop_spares(0)
                         return
                 elif isinstance(key.data, _Handoff):
                     self._handoff_answered(key.data)
