@@ -53,6 +53,9 @@ BLOCK_WRITE = 4096
 
 _CHUNK = 1 << 16
 _CHUNKS_PER_WAKEUP = 64
+#: At most this many chunks are read by :meth:`StreamPump.catch_up` (a prompt and what
+#: led to it, not a backlog).
+_CATCH_UP_CHUNKS = 4
 
 
 class StreamPump:
@@ -275,6 +278,16 @@ class StreamPump:
             self._timer = None
         self._read_off()
         room.add_done_callback(lambda _: self._resume())
+
+    def catch_up(self) -> None:
+        """Consume what the worker wrote so far (a few chunks), unless the console is full.
+
+        For the keyboard's router: a worker found blocked reading its terminal wrote its
+        prompt before it read, but on a busy machine the pipe may not have been read yet,
+        and a note printed now would come before that output instead of before the prompt.
+        """
+        if self._room is None:
+            self.drain(max_chunks=_CATCH_UP_CHUNKS)
 
     def drain(self, max_chunks: int | None = None) -> None:
         """Consume what the pipe holds now, without waiting (the exit path calls this)."""

@@ -287,6 +287,10 @@ class StdinRouter:
         if not reading:
             target.asking_since = None
             return
+        # What it wrote before it read comes first: its prompt may still be in the pipe,
+        # and the note that may follow goes before the prompt, not before that output.
+        for pump in target.streams:
+            pump.catch_up()
         target.drop_looks()  # found reading: no need to look again
         target.active_at = now
         if target.asking_since is None:
