@@ -580,9 +580,7 @@ async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arriv
             os.kill(watchdog_pid, signal.SIGCONT)
         assert queued > 0, "every message fit in the socket: nothing was tested"
         assert took < 5, f"4000 messages took {took:.1f} s to hand over"
-        with anyio.fail_after(30):
-            while len(watchdog._messages):
-                await anyio.sleep(0.01)
+        assert await anyio.to_thread.run_sync(watchdog._messages.flush, 30)
         result = await aioelastic.run_processes("after", "/bin/sh", {0: ("-c", "exit 3")}, {0: {}})
         assert result.failures[0].exitcode == 3
         watchdog.stop()  # it kills every group it still watches
@@ -590,3 +588,59 @@ async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arriv
     finally:
         bystander.kill()
         bystander.wait()
+
+
+def _queue_at_stopped_watchdog(watchdog_pid: int, first: int, then: list[int]) -> None:
+    """Stop the watchdog; watch ``first`` (into its socket), then forget each of ``then``
+    (the socket fills; the rest waits in the supervisor's queue)."""
+    os.kill(watchdog_pid, signal.SIGSTOP)
+    watchdog.watch(first)
+    for pgid in then:
+        watchdog.forget(pgid)
+    assert len(watchdog._messages) > 0, "every message fit in the socket: nothing was tested"
+
+
+async def test_stopping_the_watchdog_sends_what_was_queued_first(fresh_watchdog: None) -> None:
+    # A forget still queued when the supervisor stops its watchdog must reach it before
+    # the end-of-file: dropped, the watchdog would kill a group the job had let go of.
+    watchdog.ensure_started()
+    watchdog_pid = watchdog.pid
+    assert watchdog_pid is not None
+    no_such_group = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        fillers = [no_such_group + k for k in range(2000)]
+        _queue_at_stopped_watchdog(watchdog_pid, bystander.pid, [*fillers, bystander.pid])
+        os.kill(watchdog_pid, signal.SIGCONT)
+        started = time.monotonic()
+        watchdog.stop()  # at once: most of the queue is still in the supervisor
+        assert time.monotonic() - started < 10
+        assert bystander.poll() is None
+        assert len(watchdog._messages) == 0
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+async def test_messages_queued_at_a_watchdog_killed_meanwhile_are_dropped_at_once(
+    fresh_watchdog: None,
+) -> None:
+    # The watchdog dies (SIGKILL) with messages still queued for it: the launcher thread
+    # sending them gets an error instead of waiting for ever, drops the rest, and the
+    # next start brings up a new watchdog.
+    watchdog.ensure_started()
+    watchdog_pid = watchdog.pid
+    assert watchdog_pid is not None
+    no_such_group = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    _queue_at_stopped_watchdog(
+        watchdog_pid, no_such_group, [no_such_group + k for k in range(2000)]
+    )
+    os.kill(watchdog_pid, signal.SIGKILL)
+    started = time.monotonic()
+    assert await anyio.to_thread.run_sync(watchdog._messages.flush, 10)
+    assert time.monotonic() - started < 10
+    assert len(watchdog._messages) == 0
+    result = await aioelastic.run_processes("after", "/bin/sh", {0: ("-c", "exit 3")}, {0: {}})
+    assert result.failures[0].exitcode == 3
+    assert watchdog.pid != watchdog_pid
+    assert process_state(watchdog_pid) is None  # the dead one was reaped

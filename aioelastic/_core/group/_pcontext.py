@@ -197,7 +197,7 @@ class PContext:
                 except OSError as exc:
                     preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
             except BaseException:
-                await self._blocking(self._hangs.close)
+                await self._removing(self._hangs.close)
                 raise
             self._callbacks = callback_context()
             self._tg = anyio.create_task_group()
@@ -226,6 +226,15 @@ class PContext:
         """``fn()``, blocking file work for each rank (see :func:`~._preparing.blocking`)."""
         await preparing.blocking(self.nprocs, fn)
 
+    async def _removing(self, fn: Callable[[], object]) -> None:
+        """``fn()``, removing the group's files: on a launcher thread whatever its size.
+
+        Removing a directory frees its block, and on a filesystem mounted with
+        ``discard`` (ext4 on many cloud disks) the kernel trims it before ``rmdir``
+        returns: 5 to 40 ms that would be held on the event loop.
+        """
+        await _launchers.on_launcher_thread(fn)
+
     async def _open_and_prepare(self) -> dict[int, preparing.Prepared]:
         """The stack FIFOs, then the group's files, environments and calls."""
         await self._blocking(self._hangs.open)
@@ -235,7 +244,7 @@ class PContext:
             )
         except BaseException:
             with anyio.CancelScope(shield=True):
-                await self._blocking(self._hangs.close)
+                await self._removing(self._hangs.close)
             raise
         return prepared
 
@@ -479,10 +488,7 @@ class PContext:
             return
         self._phase = Phase.CLOSED
         await self._io.finish(self._workers, self._output)
-        # On a thread whatever the group's size: removing a directory frees its block,
-        # and on a filesystem mounted with `discard` (ext4 on many cloud disks) the
-        # kernel trims it before rmdir returns, 5 to 40 ms held on the event loop.
-        await _launchers.on_launcher_thread(self._remove_files)
+        await self._removing(self._remove_files)
 
     def _remove_files(self) -> None:
         """Blocking: remove the stack FIFOs and the temporary log directory (if empty)."""

@@ -33,7 +33,8 @@ logger = logging.getLogger("aioelastic")
 
 T = TypeVar("T")
 
-#: Groups up to this size make their FIFOs (and remove their files) on the event loop.
+#: Groups up to this size make their FIFOs on the event loop (files are always removed
+#: on a launcher thread: see ``PContext._removing``).
 FILES_ON_LOOP = 8
 #: Whether group files are made on the event loop (see prepare_group).
 PREPARE_ON_LOOP = sys.version_info >= (3, 11)

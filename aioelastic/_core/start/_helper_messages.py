@@ -34,7 +34,8 @@ class HelperMessages:
     def __init__(self, current_socket: Callable[[], socket.socket | None]) -> None:
         self._current_socket = current_socket
         self._queue: deque[bytes] = deque()
-        self._lock = threading.Lock()
+        #: Guards the queue; notified when the drain ends.
+        self._changed = threading.Condition()
         self._draining = False
 
     def __len__(self) -> int:
@@ -46,7 +47,7 @@ class HelperMessages:
         sock = self._current_socket()
         if sock is None:
             return
-        with self._lock:
+        with self._changed:
             if not self._queue:
                 try:
                     sock.sendmsg([message], [], socket.MSG_DONTWAIT)
@@ -59,23 +60,36 @@ class HelperMessages:
             if self._draining:
                 return
             self._draining = True
-        launcher_pool().submit(self._drain)
+        try:
+            launcher_pool().submit(self._drain)
+        except RuntimeError:  # the interpreter is shutting down: no new threads
+            self._drain()
+
+    def flush(self, timeout: float) -> bool:
+        """Blocking: wait until every queued message is in the socket (or dropped, the
+        helper being gone), at most ``timeout`` seconds; whether that happened.
+
+        Before the socket is closed: a forget dropped there would leave the helper
+        thinking a reaped group, whose id may be reused, is still the job's to kill.
+        """
+        with self._changed:
+            return self._changed.wait_for(lambda: not self._draining, timeout)
 
     def _drain(self) -> None:
+        failed = False
         while True:
-            with self._lock:
+            with self._changed:
                 sock = self._current_socket()
-                if not self._queue or sock is None:
+                if failed or sock is None or not self._queue:
                     self._queue.clear()
                     self._draining = False
+                    self._changed.notify_all()
                     return
                 message = self._queue[0]
             try:
                 sock.sendmsg([message])
             except OSError:
-                with self._lock:
-                    self._queue.clear()
-                    self._draining = False
-                return
-            with self._lock:
+                failed = True  # the helper is gone: the rest is for nobody
+                continue
+            with self._changed:
                 self._queue.popleft()

@@ -226,6 +226,7 @@ class Watchdog:
 
     def stop(self) -> None:
         """Close the socket and reap the watchdog (it kills what it still watches, and exits)."""
+        self._messages.flush(timeout=5)
         with self._lock:
             popen, self._popen = self._popen, None
             self._close()
