@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.waits import is_running
+from tests.waits import is_running, wait_gone
 
 pytestmark = pytest.mark.asyncio
 
@@ -49,15 +49,6 @@ async def _start_supervisor(
     return proc, pids
 
 
-async def _exits(pid: int, timeout: float = 10.0) -> None:
-    fd = os.pidfd_open(pid)
-    try:
-        with anyio.fail_after(timeout):
-            await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("method", ["spawn", "fork", "forkserver", "binary", "grandchildren"])
 async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, method: str) -> None:
     proc, pids = await _start_supervisor(tmp_path, method, 2, hold=0)
@@ -66,7 +57,7 @@ async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, metho
     await proc.wait()
     for pid in pids:
         # Workers: the kernel's parent-death signal. Their children: the watchdog.
-        await _exits(pid)
+        await wait_gone(pid, timeout=10.0)
     await proc.aclose()
 
 
@@ -94,5 +85,5 @@ async def test_workers_outlive_the_thread_that_started_them(tmp_path: Path) -> N
     proc.send_signal(signal.SIGTERM)
     await proc.wait()
     for pid in pids:
-        await _exits(pid)
+        await wait_gone(pid, timeout=10.0)
     await proc.aclose()
