@@ -9,12 +9,18 @@ alternating, one warm-up each), and prints the CPU time per worker spent by:
 - the workers themselves (their exec and exit: ``RUSAGE_CHILDREN`` of whoever reaped
   them, the supervisor for torch, the watchdog for us);
 
+and, as a third side, the floor of measure i: ``os.posix_spawn`` N times, then ``waitpid``
+each, no supervisor (its "supervisor" share is the spawning alone, which torch's
+supervisor does with ``Popen`` and our watchdog with ``posix_spawn``);
+
 the part of the supervisor's CPU spent in Python's garbage collector (a mean over the
 repetitions: a full collection of a torch-loaded heap costs ~80 ms and comes every few
-runs), with the number of full collections; and the wall time. On a machine with few
-cores a job of many short workers is bound by the sum, which is why this split says more
-than the wall time alone. ``/proc`` counts in clock ticks (10 ms): use N >= 128 and
-several repetitions.
+runs), with the number of full collections; the wall time; the sum of the three shares;
+and the part of the machine's core time left idle meanwhile (``/proc/stat``, a mean). On a
+machine with few cores a job of many short workers is bound by the sum: its wall time is
+about the sum divided by the cores (the last line, for each side), divided again by the
+part not idle, which is why this split says more than the wall time alone. ``/proc``
+counts in clock ticks (10 ms): use N >= 128 and several repetitions.
 """
 
 from __future__ import annotations
@@ -78,6 +84,13 @@ def _proc_times(pid: int) -> tuple[float, float]:
     return utime + stime, cutime + cstime
 
 
+def _idle_seconds() -> float:
+    """Idle (and I/O wait) time of all the machine's cores so far, from ``/proc/stat``."""
+    with open("/proc/stat", "rb") as stat:
+        fields = stat.readline().split()  # "cpu user nice system idle iowait ..."
+    return (int(fields[4]) + int(fields[5])) / _TICK
+
+
 def _wait_reaped(pid: int, timeout: float = 10.0) -> None:
     """Until ``pid`` has no child left: the watchdog reaps a released worker on its own."""
     deadline = time.monotonic() + timeout
@@ -106,10 +119,10 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
     pid = watchdog.pid
     helper0 = _proc_times(pid) if pid else (0.0, 0.0)
     self0, _ = _self_and_children()
-    start = time.monotonic()
+    idle0, start = _idle_seconds(), time.monotonic()
     with _Collections() as collections:
         asyncio.run(run())
-    wall = time.monotonic() - start
+    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
     self1, _ = _self_and_children()
     pid = watchdog.pid
     assert pid is not None
@@ -122,15 +135,16 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
         "workers": helper1[1] - helper0[1],
         "gc": collections.seconds,
         "full": collections.full,
+        "idle": idle,
     }
 
 
 def _torch(n: int, log_dir: str) -> dict[str, float]:
     self0, kids0 = _self_and_children()
-    start = time.monotonic()
+    idle0, start = _idle_seconds(), time.monotonic()
     with _Collections() as collections:
         result = _torch_run(n, log_dir)
-    wall = time.monotonic() - start
+    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
     self1, kids1 = _self_and_children()
     if result is None or result.is_failed():
         raise RuntimeError(f"torch: {result}")
@@ -141,6 +155,30 @@ def _torch(n: int, log_dir: str) -> dict[str, float]:
         "workers": kids1 - kids0,
         "gc": collections.seconds,
         "full": collections.full,
+        "idle": idle,
+    }
+
+
+def _floor(n: int, log_dir: str) -> dict[str, float]:
+    env = dict(os.environ)
+    self0, kids0 = _self_and_children()
+    idle0, start = _idle_seconds(), time.monotonic()
+    with _Collections() as collections:
+        pids = [os.posix_spawn(TRUE, [TRUE], env) for _ in range(n)]
+        for pid in pids:
+            _, status = os.waitpid(pid, 0)
+            if status != 0:
+                raise RuntimeError(f"{TRUE} exited with status {status}")
+    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
+    self1, kids1 = _self_and_children()
+    return {
+        "wall": wall,
+        "supervisor": self1 - self0,
+        "helper": 0.0,
+        "workers": kids1 - kids0,
+        "gc": collections.seconds,
+        "full": collections.full,
+        "idle": idle,
     }
 
 
@@ -169,6 +207,7 @@ def main() -> None:
     sides: dict[str, Callable[[int, str], dict[str, float]]] = {
         "aioelastic run_processes": _ours,
         "torch start_processes + wait(period=0.01)": _torch,
+        "floor: posix_spawn + waitpid": _floor,
     }
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as root:
@@ -177,20 +216,28 @@ def main() -> None:
                 sample = side(args.n, os.path.join(root, f"{len(samples[name])}-{rep}"))
                 if rep:  # the first is a warm-up (the watchdog's start, lazy imports)
                     samples[name].append(sample)
+    cores = os.cpu_count() or 1
     print(f"N={args.n} x {TRUE}, torch loaded; medians of {args.reps}, ms per worker:")
-    print("(of the supervisor's: in the garbage collector, a mean; full collections in all)")
+    print("(of the supervisor's: in the garbage collector, a mean; full collections in all;")
+    print(f" sum: supervisor + helper + workers; idle: % of the {cores} cores idle, a mean)")
     print(
         f"{'side':45} {'wall':>8} {'supervisor':>11} {'of it gc':>9} {'full':>5} "
-        f"{'helper':>8} {'workers':>8}"
+        f"{'helper':>8} {'workers':>8} {'sum':>8} {'idle':>6}"
     )
+    floors = []
     for name, runs in samples.items():
+        for run in runs:
+            run["sum"] = run["supervisor"] + run["helper"] + run["workers"]
         med = {key: statistics.median(run[key] for run in runs) * 1000 / args.n for key in runs[0]}
         in_gc = statistics.mean(run["gc"] for run in runs) * 1000 / args.n
         full = sum(int(run["full"]) for run in runs)
+        idle = statistics.mean(run["idle"] / (run["wall"] * cores) for run in runs) * 100
         print(
             f"{name:45} {med['wall']:8.3f} {med['supervisor']:11.3f} {in_gc:9.3f} {full:5d} "
-            f"{med['helper']:8.3f} {med['workers']:8.3f}"
+            f"{med['helper']:8.3f} {med['workers']:8.3f} {med['sum']:8.3f} {idle:5.0f}%"
         )
+        floors.append(f"{name.split()[0].rstrip(':')} {med['sum'] / cores:.3f}")
+    print(f"CPU-bound floor (sum / {cores} cores), ms per worker: {', '.join(floors)}")
 
 
 if __name__ == "__main__":

@@ -588,16 +588,34 @@ def test_cpu_split_prints_each_sides_cpu_per_worker() -> None:
     proc = _run("--n", "16", "--reps", "2", timeout=110, module="benchmarks.cpu_split")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
+    cores = os.cpu_count() or 1
     assert lines[0] == "N=16 x /bin/true, torch loaded; medians of 2, ms per worker:"
-    assert lines[2].split() == [
-        "side", "wall", "supervisor", "of", "it", "gc", "full", "helper", "workers"
+    assert lines[3].split() == [
+        "side", "wall", "supervisor", "of", "it", "gc", "full", "helper", "workers", "sum", "idle"
     ]  # fmt: skip
-    rows = {line[:45].strip(): line[45:].split() for line in lines[3:]}
-    assert set(rows) == {"aioelastic run_processes", "torch start_processes + wait(period=0.01)"}
-    for name, (wall, supervisor, in_gc, full, helper, workers) in rows.items():
+    rows = {line[:45].strip(): line[45:].split() for line in lines[4:7]}
+    assert set(rows) == {
+        "aioelastic run_processes",
+        "torch start_processes + wait(period=0.01)",
+        "floor: posix_spawn + waitpid",
+    }
+    floors = {}
+    for name, (wall, supervisor, in_gc, full, helper, workers, total, idle) in rows.items():
         assert float(wall) > 0, name
         # /proc counts in 10 ms ticks: at N=16 a share may round to 0, never below.
         assert min(float(supervisor), float(helper), float(workers)) >= 0, name
         assert float(in_gc) >= 0, name
         assert int(full) >= 0, name
-    assert float(rows["torch start_processes + wait(period=0.01)"][4]) == 0  # no helper
+        # Medians of sums are not sums of medians; the sum is never below any share.
+        assert float(total) >= max(float(supervisor), float(helper), float(workers)), name
+        assert idle.endswith("%"), name
+        assert 0 <= int(idle[:-1]) <= 100, name
+        floors[name.split()[0].rstrip(":")] = float(total) / cores
+    prefix = f"CPU-bound floor (sum / {cores} cores), ms per worker: "
+    assert lines[7].startswith(prefix)
+    shown = dict(part.split() for part in lines[7][len(prefix) :].split(", "))
+    assert shown.keys() == floors.keys()
+    for side, floor in floors.items():
+        assert float(shown[side]) == pytest.approx(floor, abs=0.0011), side
+    for name in ("torch start_processes + wait(period=0.01)", "floor: posix_spawn + waitpid"):
+        assert float(rows[name][4]) == 0, name  # no helper
