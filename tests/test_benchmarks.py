@@ -321,6 +321,7 @@ def test_check_exits_non_zero_from_json_when_a_claim_fails(tmp_path: Path) -> No
     assert {r["case"] for r in checked} == {
         "bin, torch period=0.01",
         "bin vs floor (target >= 0.5)",
+        "bin tee=3 both, torch period=0.01",
     }
     # The same run with aioelastic 100 times slower: the check must now fail.
     for series in document["series"]:

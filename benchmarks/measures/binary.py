@@ -10,6 +10,12 @@ until the caller has every exit. ``per_worker`` is that time divided by N.
 - aioelastic: ``run_processes``.
 - torch.elastic, period=0.01: ``start_processes`` + ``wait(period=0.01)``, the setting a
   user who cares about latency picks; torch-defaults: ``wait()`` (period 1 s).
+
+Group ``bin tee``: the same job with both streams of every worker tee'd (``tee=3``: to a
+log file each and to the console, line by line with the rank's prefix), on both sides
+configured alike, torch at ``wait(period=0.01)``. Ours by default already reads every
+worker's output (to keep each line whole at the console); torch reads it only when told
+to, with a thread tailing each log file.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ import os
 
 from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks._util import now_ns, seconds
-from benchmarks.measures._common import NAME, aio_core, check_success, envs_for, log_dir
+from benchmarks.measures._common import (
+    NAME,
+    aio_core,
+    aio_std,
+    check_success,
+    envs_for,
+    log_dir,
+)
 
 TRUE = "/bin/true"
 PER_WORKER = Metric("per_worker", "ms", scale=1000.0)
@@ -52,6 +65,7 @@ async def aio_bin(ctx: RepContext) -> dict[str, float]:
     """aioelastic run_processes of N /bin/true from a torch-loaded process."""
     _torch_loaded()
     core = aio_core()
+    tee = aio_std().ALL if ctx.params.get("tee") == "all" else aio_std().NONE
     start = now_ns()
     result = await core.run_processes(
         name=NAME,
@@ -59,6 +73,7 @@ async def aio_bin(ctx: RepContext) -> dict[str, float]:
         args={r: () for r in range(ctx.n)},
         envs=envs_for(ctx.n),
         log_dir=log_dir(ctx),
+        tee=tee,
     )
     elapsed = now_ns() - start
     check_success(result, "aioelastic")
@@ -68,16 +83,17 @@ async def aio_bin(ctx: RepContext) -> dict[str, float]:
 def torch_bin(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes + wait(period) of N /bin/true."""
     _torch_loaded()
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
 
     period = ctx.params.get("period")
+    tee = Std.ALL if ctx.params.get("tee") == "all" else Std.NONE
     start = now_ns()
     pc = start_processes(
         name=NAME,
         entrypoint=TRUE,
         args={r: () for r in range(ctx.n)},
         envs=envs_for(ctx.n),
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx)),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir(ctx), tee=tee),
     )
     try:
         result = pc.wait() if period is None else pc.wait(period=float(period))
@@ -93,6 +109,8 @@ FLOOR = "floor/posix_spawn (torch loaded)"
 OURS = "aioelastic/binary (torch loaded)"
 TORCH_FAST = "torch.elastic/binary wait(period=0.01) (torch loaded)"
 TORCH_DEFAULT = "torch.elastic/binary torch-defaults wait() period=1 (torch loaded)"
+OURS_TEE = "aioelastic/binary tee=3 (torch loaded)"
+TORCH_TEE = "torch.elastic/binary tee=3 wait(period=0.01) (torch loaded)"
 
 MEASURE = Measure(
     name="binary",
@@ -103,7 +121,9 @@ MEASURE = Measure(
         "Every system runs in a driver that imported torch. floor: `os.posix_spawn` + "
         "`waitpid`, no supervisor. torch.elastic: `start_processes` + `wait(period=0.01)`; "
         "torch-defaults: `wait()` (period 1 s). per_worker = total / N. A ratio vs the "
-        "floor of 0.5 is the target (ours at most 2x the floor)."
+        "floor of 0.5 is the target (ours at most 2x the floor). bin tee: both streams of "
+        "every worker tee'd (`tee=3`, log files and prefixed console lines) on both sides, "
+        "torch at `wait(period=0.01)`."
     ),
     groups=(
         Group(
@@ -148,6 +168,32 @@ MEASURE = Measure(
             default_reps=9,
             quick_reps=9,
             quick_warmup=True,  # the first start of a supervisor also starts its watchdog
+        ),
+        Group(
+            name="bin tee",
+            systems=(
+                System(OURS_TEE, "aioelastic", f"{_M}:aio_bin", driver="binary aioelastic"),
+                System(
+                    TORCH_TEE, "torch", f"{_M}:torch_bin", {"period": 0.01}, driver="binary torch"
+                ),
+            ),
+            rows=(
+                Row(
+                    "bin tee=3 both, torch period=0.01",
+                    OURS_TEE,
+                    TORCH_TEE,
+                    quick_min_ratio=2.0,
+                    headline_n=256,
+                ),
+            ),
+            ns=(8, 64, 256),
+            quick_ns=(8,),
+            params={"tee": "all"},
+            # torch's tail threads poll each log file every 0.1 s: its repetitions spread
+            # by a period, ours by +-20% as in bin.
+            default_reps=7,
+            quick_reps=5,
+            quick_warmup=True,
         ),
     ),
 )
