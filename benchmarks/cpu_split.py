@@ -104,6 +104,26 @@ def _envs(n: int) -> dict[int, dict[str, str]]:
     return {rank: {"LOCAL_RANK": str(rank)} for rank in range(n)}
 
 
+def _measure(run: Callable[[], object]) -> dict[str, float]:
+    """``run()``'s wall time, the cores' idle time meanwhile, and this process's CPU:
+    its own (``supervisor``), its reaped children's (``workers``), its collector's."""
+    self0, kids0 = _self_and_children()
+    idle0, start = _idle_seconds(), time.monotonic()
+    with _Collections() as collections:
+        run()
+    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
+    self1, kids1 = _self_and_children()
+    return {
+        "wall": wall,
+        "supervisor": self1 - self0,
+        "helper": 0.0,
+        "workers": kids1 - kids0,
+        "gc": collections.seconds,
+        "full": collections.full,
+        "idle": idle,
+    }
+
+
 def _ours(n: int, log_dir: str) -> dict[str, float]:
     from aioelastic._core.group._pcontext import run_processes
     from aioelastic._core.start._watchdog import watchdog
@@ -118,68 +138,36 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
 
     pid = watchdog.pid
     helper0 = _proc_times(pid) if pid else (0.0, 0.0)
-    self0, _ = _self_and_children()
-    idle0, start = _idle_seconds(), time.monotonic()
-    with _Collections() as collections:
-        asyncio.run(run())
-    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
-    self1, _ = _self_and_children()
+    sample = _measure(lambda: asyncio.run(run()))
     pid = watchdog.pid
     assert pid is not None
     _wait_reaped(pid)
     helper1 = _proc_times(pid)
-    return {
-        "wall": wall,
-        "supervisor": self1 - self0,
-        "helper": helper1[0] - helper0[0],
-        "workers": helper1[1] - helper0[1],
-        "gc": collections.seconds,
-        "full": collections.full,
-        "idle": idle,
-    }
+    # The watchdog spawns and reaps the workers: their CPU is its children's.
+    sample["helper"] = helper1[0] - helper0[0]
+    sample["workers"] = helper1[1] - helper0[1]
+    return sample
 
 
 def _torch(n: int, log_dir: str) -> dict[str, float]:
-    self0, kids0 = _self_and_children()
-    idle0, start = _idle_seconds(), time.monotonic()
-    with _Collections() as collections:
-        result = _torch_run(n, log_dir)
-    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
-    self1, kids1 = _self_and_children()
-    if result is None or result.is_failed():
-        raise RuntimeError(f"torch: {result}")
-    return {
-        "wall": wall,
-        "supervisor": self1 - self0,
-        "helper": 0.0,
-        "workers": kids1 - kids0,
-        "gc": collections.seconds,
-        "full": collections.full,
-        "idle": idle,
-    }
+    results: list[Any] = []
+    sample = _measure(lambda: results.append(_torch_run(n, log_dir)))
+    if results[0] is None or results[0].is_failed():
+        raise RuntimeError(f"torch: {results[0]}")
+    return sample
 
 
 def _floor(n: int, log_dir: str) -> dict[str, float]:
     env = dict(os.environ)
-    self0, kids0 = _self_and_children()
-    idle0, start = _idle_seconds(), time.monotonic()
-    with _Collections() as collections:
+
+    def spawn_and_reap() -> None:
         pids = [os.posix_spawn(TRUE, [TRUE], env) for _ in range(n)]
         for pid in pids:
             _, status = os.waitpid(pid, 0)
             if status != 0:
                 raise RuntimeError(f"{TRUE} exited with status {status}")
-    wall, idle = time.monotonic() - start, _idle_seconds() - idle0
-    self1, kids1 = _self_and_children()
-    return {
-        "wall": wall,
-        "supervisor": self1 - self0,
-        "helper": 0.0,
-        "workers": kids1 - kids0,
-        "gc": collections.seconds,
-        "full": collections.full,
-        "idle": idle,
-    }
+
+    return _measure(spawn_and_reap)
 
 
 def _torch_run(n: int, log_dir: str) -> Any:
