@@ -34,11 +34,10 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
 
 from aioelastic._core.process._platform import children_of, proc_stat
+from benchmarks.measures.binary import TRUE, spawn_and_reap
 
-TRUE = "/bin/true"
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -150,27 +149,15 @@ def _ours(n: int, log_dir: str) -> dict[str, float]:
 
 
 def _torch(n: int, log_dir: str) -> dict[str, float]:
-    results: list[Any] = []
-    sample = _measure(lambda: results.append(_torch_run(n, log_dir)))
-    if results[0] is None or results[0].is_failed():
-        raise RuntimeError(f"torch: {results[0]}")
-    return sample
+    return _measure(lambda: _torch_run(n, log_dir))
 
 
 def _floor(n: int, log_dir: str) -> dict[str, float]:
     env = dict(os.environ)
-
-    def spawn_and_reap() -> None:
-        pids = [os.posix_spawn(TRUE, [TRUE], env) for _ in range(n)]
-        for pid in pids:
-            _, status = os.waitpid(pid, 0)
-            if status != 0:
-                raise RuntimeError(f"{TRUE} exited with status {status}")
-
-    return _measure(spawn_and_reap)
+    return _measure(lambda: spawn_and_reap(n, env))
 
 
-def _torch_run(n: int, log_dir: str) -> Any:
+def _torch_run(n: int, log_dir: str) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
     pc = start_processes(
@@ -178,9 +165,11 @@ def _torch_run(n: int, log_dir: str) -> Any:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )  # fmt: skip
     try:
-        return pc.wait(period=0.01)
+        result = pc.wait(period=0.01)
     finally:
         pc.close()
+    if result is None or result.is_failed():
+        raise RuntimeError(f"torch: {result}")
 
 
 def main() -> None:

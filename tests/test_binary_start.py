@@ -556,6 +556,29 @@ async def test_starts_queued_at_a_stopped_watchdog_never_block_the_event_loop(
     assert not any(result.is_failed() for result in results)
 
 
+def _started_watchdog_pid() -> int:
+    watchdog.ensure_started()
+    watchdog_pid = watchdog.pid
+    assert watchdog_pid is not None
+    return watchdog_pid
+
+
+def _no_such_groups(count: int) -> list[int]:
+    """Process group ids above ``pid_max``: no process can ever have them."""
+    above = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    return [above + k for k in range(count)]
+
+
+def _queue_at_stopped_watchdog(watchdog_pid: int, first: int, then: list[int]) -> None:
+    """Stop the watchdog; watch ``first`` (into its socket), then forget each of ``then``
+    (the socket fills; the rest waits in the supervisor's queue)."""
+    os.kill(watchdog_pid, signal.SIGSTOP)
+    watchdog.watch(first)
+    for pgid in then:
+        watchdog.forget(pgid)
+    assert len(watchdog._messages) > 0, "every message fit in the socket: nothing was tested"
+
+
 async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arrive_in_order(
     fresh_watchdog: None,
 ) -> None:
@@ -563,9 +586,7 @@ async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arriv
     # takes a bounded number however small. At a stopped watchdog the ones beyond wait
     # in the supervisor, sent in order once it reads again: a group watched and
     # forgotten many times is forgotten in the end, so the watchdog's exit spares it.
-    watchdog.ensure_started()
-    watchdog_pid = watchdog.pid
-    assert watchdog_pid is not None
+    watchdog_pid = _started_watchdog_pid()
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
         os.kill(watchdog_pid, signal.SIGSTOP)
@@ -590,26 +611,13 @@ async def test_watch_messages_queued_at_a_stopped_watchdog_never_block_and_arriv
         bystander.wait()
 
 
-def _queue_at_stopped_watchdog(watchdog_pid: int, first: int, then: list[int]) -> None:
-    """Stop the watchdog; watch ``first`` (into its socket), then forget each of ``then``
-    (the socket fills; the rest waits in the supervisor's queue)."""
-    os.kill(watchdog_pid, signal.SIGSTOP)
-    watchdog.watch(first)
-    for pgid in then:
-        watchdog.forget(pgid)
-    assert len(watchdog._messages) > 0, "every message fit in the socket: nothing was tested"
-
-
 async def test_stopping_the_watchdog_sends_what_was_queued_first(fresh_watchdog: None) -> None:
     # A forget still queued when the supervisor stops its watchdog must reach it before
     # the end-of-file: dropped, the watchdog would kill a group the job had let go of.
-    watchdog.ensure_started()
-    watchdog_pid = watchdog.pid
-    assert watchdog_pid is not None
-    no_such_group = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+    watchdog_pid = _started_watchdog_pid()
     bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
     try:
-        fillers = [no_such_group + k for k in range(2000)]
+        fillers = _no_such_groups(2000)
         _queue_at_stopped_watchdog(watchdog_pid, bystander.pid, [*fillers, bystander.pid])
         os.kill(watchdog_pid, signal.SIGCONT)
         started = time.monotonic()
@@ -628,13 +636,9 @@ async def test_messages_queued_at_a_watchdog_killed_meanwhile_are_dropped_at_onc
     # The watchdog dies (SIGKILL) with messages still queued for it: the launcher thread
     # sending them gets an error instead of waiting for ever, drops the rest, and the
     # next start brings up a new watchdog.
-    watchdog.ensure_started()
-    watchdog_pid = watchdog.pid
-    assert watchdog_pid is not None
-    no_such_group = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
-    _queue_at_stopped_watchdog(
-        watchdog_pid, no_such_group, [no_such_group + k for k in range(2000)]
-    )
+    watchdog_pid = _started_watchdog_pid()
+    first, *then = _no_such_groups(2001)
+    _queue_at_stopped_watchdog(watchdog_pid, first, then)
     os.kill(watchdog_pid, signal.SIGKILL)
     started = time.monotonic()
     assert await anyio.to_thread.run_sync(watchdog._messages.flush, 10)

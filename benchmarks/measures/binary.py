@@ -47,17 +47,22 @@ def _metrics(ctx: RepContext, elapsed_ns: int) -> dict[str, float]:
     return {"seconds": seconds(elapsed_ns), "per_worker": seconds(elapsed_ns) / ctx.n}
 
 
-def floor_spawn(ctx: RepContext) -> dict[str, float]:
-    """N x posix_spawn of /bin/true from a torch-loaded process, to the last exit reaped."""
-    _torch_loaded()
-    env = dict(os.environ)
+def spawn_and_reap(n: int, env: dict[str, str]) -> None:
+    """The floor's work: ``os.posix_spawn`` of /bin/true ``n`` times, then ``waitpid`` each."""
     argv = [TRUE]
-    start = now_ns()
-    pids = [os.posix_spawn(TRUE, argv, env) for _ in range(ctx.n)]
+    pids = [os.posix_spawn(TRUE, argv, env) for _ in range(n)]
     for pid in pids:
         _, status = os.waitpid(pid, 0)
         if status != 0:
             raise RuntimeError(f"{TRUE} exited with status {status}")
+
+
+def floor_spawn(ctx: RepContext) -> dict[str, float]:
+    """N x posix_spawn of /bin/true from a torch-loaded process, to the last exit reaped."""
+    _torch_loaded()
+    env = dict(os.environ)
+    start = now_ns()
+    spawn_and_reap(ctx.n, env)
     return _metrics(ctx, now_ns() - start)
 
 
