@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 import pytest
 
@@ -37,6 +38,7 @@ from tests.waits import (
     is_running,
     longest_loop_gap_while_stopped,
     process_state,
+    wait_gone,
 )
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
@@ -648,3 +650,75 @@ async def test_messages_queued_at_a_watchdog_killed_meanwhile_are_dropped_at_onc
     assert result.failures[0].exitcode == 3
     assert watchdog.pid != watchdog_pid
     assert process_state(watchdog_pid) is None  # the dead one was reaped
+
+
+#: Run by the next test in a supervisor of its own: at its interpreter's exit, once no
+#: thread may start, it floods its stopped watchdog with watch and forget messages.
+_FLOOD_AT_EXIT = """
+import atexit, os, signal, sys
+from aioelastic._core.start._launchers import launcher_pool
+from aioelastic._core.start._watchdog import watchdog
+
+bystander, first_unused = int(sys.argv[1]), int(sys.argv[2])
+watchdog.ensure_started()
+
+def flood():  # registered after the watchdog's own stop(): runs before it
+    try:
+        launcher_pool().submit(int)
+    except RuntimeError:
+        print("refused", watchdog.pid, flush=True)
+    else:
+        print("accepted", flush=True)
+        return
+    os.kill(watchdog.pid, signal.SIGSTOP)
+    watchdog.watch(bystander)
+    for k in range(2000):
+        watchdog.forget(first_unused + k)
+    watchdog.forget(bystander)
+    print("sent", len(watchdog._messages), flush=True)
+
+atexit.register(flood)
+"""
+
+#: sendmsg's number in /proc/PID/syscall.
+_SENDMSG = {"x86_64": 46, "aarch64": 211}.get(os.uname().machine)
+
+
+async def _line(stream: anyio.abc.ByteReceiveStream) -> str:
+    line = b""
+    with anyio.fail_after(30):
+        while not line.endswith(b"\n"):
+            line += await stream.receive(1)
+    return line.decode().strip()
+
+
+@pytest.mark.skipif(_SENDMSG is None, reason="sendmsg's syscall number is known for x86_64/arm64")
+async def test_messages_sent_at_interpreter_exit_are_drained_on_the_calling_thread() -> None:
+    # At interpreter exit no launcher thread can start, so a message that finds the
+    # watchdog's socket full is drained by the thread that sent it: it waits for the
+    # watchdog (here stopped, then continued) instead of being lost, and the forget
+    # sent last still reaches the watchdog before its end-of-file.
+    bystander = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        proc = await anyio.open_process(
+            [sys.executable, "-c", _FLOOD_AT_EXIT, str(bystander.pid), str(_no_such_groups(1)[0])],
+            stdout=subprocess.PIPE,
+            stderr=None,
+        )
+        async with proc:
+            assert proc.stdout is not None
+            word, watchdog_pid = (await _line(proc.stdout)).split()
+            assert word == "refused"
+            # Event: the exiting thread sleeps in sendmsg on the stopped watchdog's socket.
+            with anyio.fail_after(30):
+                while Path(f"/proc/{proc.pid}/syscall").read_text().split()[0] != str(_SENDMSG):
+                    await anyio.sleep(0.01)
+            os.kill(int(watchdog_pid), signal.SIGCONT)
+            assert await _line(proc.stdout) == "sent 0"
+            with anyio.fail_after(30):
+                assert await proc.wait() == 0
+        await wait_gone(int(watchdog_pid), timeout=10)
+        assert bystander.poll() is None  # its forget arrived before the end-of-file
+    finally:
+        bystander.kill()
+        bystander.wait()
