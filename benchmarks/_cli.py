@@ -197,7 +197,7 @@ def _machine() -> str:
     return ", ".join(x for x in (model, memory) if x)
 
 
-#: Where the run directory goes by default (see :func:`_run_parent`).
+#: Where the run directory goes by default (see :func:`run_parent`).
 SHM = Path("/dev/shm")
 
 
@@ -220,7 +220,7 @@ def _filesystem(path: Path) -> str:
     return kind
 
 
-def _run_parent(requested: Path | None) -> Path:
+def run_parent(requested: Path | None) -> Path:
     """Where the run directory is made: ``--run-dir``, else tmpfs, else the temp directory.
 
     Every system writes its per-rank log directories there (torch makes one per rank as
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(_describe(plan))
         return 0
-    parent = _run_parent(args.run_dir)
+    parent = run_parent(args.run_dir)
     meta["files"] = {"dir": str(parent), "fs": _filesystem(parent)}
     run_dir = Path(tempfile.mkdtemp(prefix="aioelastic-bench-", dir=parent))
     started = time.monotonic()

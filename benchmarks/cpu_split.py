@@ -20,7 +20,8 @@ and the part of the machine's core time left idle meanwhile (``/proc/stat``, a m
 machine with few cores a job of many short workers is bound by the sum: its wall time is
 about the sum divided by the cores (the last line, for each side), divided again by the
 part not idle, which is why this split says more than the wall time alone. ``/proc``
-counts in clock ticks (10 ms): use N >= 128 and several repetitions.
+counts in clock ticks (10 ms): use N >= 128 and several repetitions. The log directories
+go where the benchmark's go (tmpfs when there is one).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from aioelastic._core.process._platform import children_of, proc_stat
+from benchmarks._cli import run_parent
 from benchmarks.measures.binary import TRUE, spawn_and_reap
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -187,7 +189,9 @@ def main() -> None:
         "floor: posix_spawn + waitpid": _floor,
     }
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    with tempfile.TemporaryDirectory() as root:
+    # Where measure i makes its log directories: tmpfs, so that no side's share is the
+    # disk's cost of allocating a directory (see run_parent).
+    with tempfile.TemporaryDirectory(dir=run_parent(None)) as root:
         for rep in range(args.reps + 1):
             for name, side in sides.items():
                 sample = side(args.n, os.path.join(root, f"{len(samples[name])}-{rep}"))
