@@ -35,6 +35,7 @@ from benchmarks._report import (
     replace_between_markers,
     run_line,
 )
+from benchmarks._run_dir import SHM, filesystem_of, run_parent
 from benchmarks._spec import Measure
 from benchmarks.measures import all_measures
 
@@ -197,47 +198,6 @@ def _machine() -> str:
     return ", ".join(x for x in (model, memory) if x)
 
 
-#: Where the run directory goes by default (see :func:`run_parent`).
-SHM = Path("/dev/shm")
-
-
-def _filesystem(path: Path) -> str:
-    """The type of the file system ``path`` is on (``tmpfs``, ``ext4``...), from /proc/mounts."""
-    target = os.path.realpath(path)
-    best, kind = "", "unknown"
-    try:
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                point = fields[1].replace("\\040", " ")
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        pass
-    return kind
-
-
-def run_parent(requested: Path | None) -> Path:
-    """Where the run directory is made: ``--run-dir``, else tmpfs, else the temp directory.
-
-    Every system writes its per-rank log directories there (torch makes one per rank as
-    we do). On a disk those cost whatever the file system's state makes them: on this
-    project's ext4 test machine a ``mkdir`` in ``/tmp`` took 20 us or 1 ms of kernel
-    time depending on the directory's block group, which is noise about the file
-    system, not about supervisors. tmpfs keeps it out of every side alike.
-    """
-    if requested is not None:
-        if not requested.is_dir() or not os.access(requested, os.W_OK | os.X_OK):
-            raise SystemExit(f"--run-dir {requested}: not a writable directory; create it first")
-        return requested
-    if SHM.is_dir() and os.access(SHM, os.W_OK | os.X_OK) and _filesystem(SHM) == "tmpfs":
-        return SHM
-    return Path(tempfile.gettempdir())
-
-
 def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -283,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print(_describe(plan))
         return 0
     parent = run_parent(args.run_dir)
-    meta["files"] = {"dir": str(parent), "fs": _filesystem(parent)}
+    meta["files"] = {"dir": str(parent), "fs": filesystem_of(parent)}
     run_dir = Path(tempfile.mkdtemp(prefix="aioelastic-bench-", dir=parent))
     started = time.monotonic()
     become_subreaper()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _cli
 from benchmarks._harness import Series
 from benchmarks._report import build_rows, check_claims, render_table, summarise
+from benchmarks._run_dir import filesystem_of
 from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import Capture, count_lines
 
@@ -69,8 +69,8 @@ def test_quick_floor_prints_table_and_writes_json(tmp_path: Path) -> None:
     assert document["meta"]["quick"] is True
     assert document["meta"]["command"].startswith("python -m benchmarks --quick")
     assert document["meta"]["leaked_pids"] == []
-    assert document["meta"]["files"] == {"dir": str(runs), "fs": _cli._filesystem(runs)}
-    assert _cli._filesystem(runs) not in ("", "unknown")
+    assert document["meta"]["files"] == {"dir": str(runs), "fs": filesystem_of(runs)}
+    assert filesystem_of(runs) not in ("", "unknown")
     rows = document["rows"]
     assert {(r["case"], r["n"]) for r in rows} == {
         (case, n)
