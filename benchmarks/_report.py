@@ -245,6 +245,12 @@ def replace_between_markers(text: str, name: str, content: str) -> str:
     return f"{head}{start}\n{content.strip()}\n{end}{tail}"
 
 
+def _metric_label(measure: Measure, metric: Metric) -> str:
+    """A table's metric cell: the unit, and the metric's name where the measure has several
+    ("ms" alone would not say which: a burst's lateness or its whole duration)."""
+    return metric.unit if len(measure.metrics) == 1 else f"{metric.name}, {metric.unit}"
+
+
 def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:
     """The results as a Markdown table per measure."""
     metrics = {(m.name, x.name): x for m in measures for x in m.metrics}
@@ -281,10 +287,7 @@ def render_table(measures: list[Measure], rows: list[dict[str, Any]]) -> str:
                     [
                         r["case"],
                         str(r["n"]),
-                        # Named where a measure has several: "ms" alone would not say which.
-                        metric.unit
-                        if len(measure.metrics) == 1
-                        else f"{metric.name}, {metric.unit}",
+                        _metric_label(measure, metric),
                         _cell(ours, metric),
                         _cell(theirs, metric) if theirs else "",
                         r["theirs_system"] or "",
@@ -310,7 +313,7 @@ def _floor_table(
         cells = [
             r["case"],
             str(r["n"]),
-            metric.unit,
+            _metric_label(measure, metric),
             _cell(stats, metric),
             _range(stats, metric),
             str(stats.reps),

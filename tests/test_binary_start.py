@@ -22,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 import pytest
 
@@ -38,6 +37,7 @@ from tests.waits import (
     is_running,
     longest_loop_gap_while_stopped,
     process_state,
+    read_line,
     wait_gone,
 )
 
@@ -684,14 +684,6 @@ atexit.register(flood)
 _SENDMSG = {"x86_64": 46, "aarch64": 211}.get(os.uname().machine)
 
 
-async def _line(stream: anyio.abc.ByteReceiveStream) -> str:
-    line = b""
-    with anyio.fail_after(30):
-        while not line.endswith(b"\n"):
-            line += await stream.receive(1)
-    return line.decode().strip()
-
-
 @pytest.mark.skipif(_SENDMSG is None, reason="sendmsg's syscall number is known for x86_64/arm64")
 async def test_messages_sent_at_interpreter_exit_are_drained_on_the_calling_thread() -> None:
     # At interpreter exit no launcher thread can start, so a message that finds the
@@ -707,14 +699,14 @@ async def test_messages_sent_at_interpreter_exit_are_drained_on_the_calling_thre
         )
         async with proc:
             assert proc.stdout is not None
-            word, watchdog_pid = (await _line(proc.stdout)).split()
+            word, watchdog_pid = (await read_line(proc.stdout)).split()
             assert word == "refused"
             # Event: the exiting thread sleeps in sendmsg on the stopped watchdog's socket.
             with anyio.fail_after(30):
                 while Path(f"/proc/{proc.pid}/syscall").read_text().split()[0] != str(_SENDMSG):
                     await anyio.sleep(0.01)
             os.kill(int(watchdog_pid), signal.SIGCONT)
-            assert await _line(proc.stdout) == "sent 0"
+            assert await read_line(proc.stdout) == "sent 0"
             with anyio.fail_after(30):
                 assert await proc.wait() == 0
         await wait_gone(int(watchdog_pid), timeout=10)

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.waits import is_running, wait_gone
+from tests.waits import is_running, read_line, wait_gone
 
 pytestmark = pytest.mark.asyncio
 
@@ -36,11 +36,8 @@ async def _start_supervisor(
         stderr=None,
     )
     assert proc.stdout is not None
-    line = b""
-    with anyio.fail_after(60):
-        while not line.endswith(b"\n"):
-            line += await proc.stdout.receive(1)
-    head, _, reported = line.decode().partition("|")
+    line = await read_line(proc.stdout, timeout=60)
+    head, _, reported = line.partition("|")
     words = head.split()
     assert words[0] == "pids", line
     pids = [int(w) for w in words[1:]]
@@ -77,11 +74,7 @@ async def test_subreaper_mode_stops_a_descendant_that_left_its_group(tmp_path: P
 async def test_workers_outlive_the_thread_that_started_them(tmp_path: Path) -> None:
     proc, pids = await _start_supervisor(tmp_path, "spawn", 2, hold=11.0)
     assert proc.stdout is not None
-    verdict = b""
-    with anyio.fail_after(40):
-        while not verdict.endswith(b"\n"):
-            verdict += await proc.stdout.receive(1)
-    assert verdict.strip() == b"alive"
+    assert await read_line(proc.stdout, timeout=40) == "alive"
     proc.send_signal(signal.SIGTERM)
     await proc.wait()
     for pid in pids:

@@ -51,6 +51,18 @@ class ReadyFifo:
         os.close(self._fd)
 
 
+async def read_line(stream: anyio.abc.ByteReceiveStream, timeout: float = 30) -> str:
+    """The next line a child process writes to ``stream``, decoded, without its newline.
+
+    Read a byte at a time: whatever follows the line stays in the stream for the next call.
+    """
+    line = b""
+    with anyio.fail_after(timeout):
+        while not line.endswith(b"\n"):
+            line += await stream.receive(1)
+    return line.decode().strip()
+
+
 def process_state(pid: int) -> str | None:
     """The /proc state letter of ``pid`` (``None`` when it no longer exists)."""
     fields = proc_stat(pid, 1)
