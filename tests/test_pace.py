@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
+import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -167,6 +170,54 @@ async def test_a_burst_of_64_groups_never_leaves_the_loop_unresponsive(tmp_path:
     assert worst_cpu < 0.035, f"the loop worked {worst_cpu * 1000:.0f} ms before a due timer"
     for k in range(64):
         assert (tmp_path / f"g{k}" / "0" / "stdout.log").read_text() == "0\n"
+
+
+#: What a service's first start of a group of binaries imported in its event loop, for
+#: nothing: the other kinds of worker need these, or a failure's report does.
+_NOT_FOR_BINARIES = {
+    "multiprocessing",  # a spawned interpreter's preparation data
+    "aioelastic._core.start._forkserver",  # the fork server's client
+    "aioelastic._core.child._forkserver_process",
+    "secrets",  # hashlib and hmac load OpenSSL, for an 8-byte token
+    "hashlib",
+    "datetime",  # a failure's timestamp, rendered only in a report
+}
+
+_FIRST_START = """
+import asyncio, json, sys
+import anyio
+import aioelastic
+
+async def main(log_dir):
+    async with anyio.create_task_group():
+        pass  # the service's own loop and task groups exist already
+    before = set(sys.modules)
+    result = await aioelastic.run_processes(
+        name="first", entrypoint="/bin/sh", args={0: ("-c", "echo 0"), 1: ("-c", "echo 1")},
+        envs={0: {}, 1: {}}, log_dir=log_dir, redirects=aioelastic.Std.ALL,
+    )
+    assert not result.is_failed(), result
+    print(json.dumps(sorted(set(sys.modules) - before)))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_the_first_start_of_binaries_imports_only_what_binaries_need(tmp_path: Path) -> None:
+    # The first start's imports run in the service's event loop (its worst lateness, 60 ms
+    # at most): each module above cost it 2-5 ms.
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_START, str(tmp_path / "logs")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    imported = set(json.loads(done.stdout.splitlines()[-1]))
+    assert "aioelastic._core.group._pcontext" in imported  # the start's lazy imports are seen
+    assert not imported & _NOT_FOR_BINARIES, sorted(imported & _NOT_FOR_BINARIES)
+    assert (tmp_path / "logs" / "1" / "stdout.log").read_text() == "1\n"
 
 
 def test_a_loop_that_paced_is_not_kept_alive_after_it_closed() -> None:

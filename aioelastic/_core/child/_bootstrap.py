@@ -14,8 +14,6 @@ through the result pipe. What differs is how the process got here:
 from __future__ import annotations
 
 import io
-import multiprocessing.process
-import multiprocessing.spawn
 import os
 import pickle
 import signal
@@ -128,7 +126,12 @@ def spawn_main(payload_fd: int, result_fd: int, parent_pid: int) -> NoReturn:
     # that the call's functions defined in the user's script can be unpickled. Marked as
     # multiprocessing marks it: a script without a __main__ guard that starts workers at
     # module level then fails here once, naming the fix, instead of every worker
-    # starting workers of its own (see check_not_importing_main).
+    # starting workers of its own (see check_not_importing_main). Imported here, not at
+    # the top: the supervisor imports this module for FunctionCall, and multiprocessing
+    # would cost a service's first start ~3 ms of its event loop for nothing.
+    import multiprocessing.process
+    import multiprocessing.spawn
+
     current = multiprocessing.process.current_process()
     current._inheriting = True  # type: ignore[attr-defined]
     try:
@@ -155,7 +158,9 @@ def check_not_importing_main(what: str) -> None:
             re-importing the main script, whose module level starts workers: without a
             ``__main__`` guard every worker would start workers of its own.
     """
-    if getattr(multiprocessing.process.current_process(), "_inheriting", False):
+    # A process that never imported multiprocessing is no spawned child importing main.
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None and getattr(process.current_process(), "_inheriting", False):
         main = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
         raise RuntimeError(
             f"{what} was called while a spawned worker was importing {main} to find the "

@@ -24,7 +24,7 @@ import itertools
 import os
 import pickle
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.lowlevel
@@ -35,10 +35,12 @@ from ..process._pace import pace
 from ..process._subreaper import lineage_env
 from ..start import _launchers
 from ..start._binary_start import BinaryLauncher, BinaryStart
-from ..start._forkserver import fork_server
 from ._preparing import Prepared, RankPreparer
 from ._starting import GroupStarter, Opening
 from ._validate import GroupSpec
+
+if TYPE_CHECKING:
+    from ..start._forkserver import ForkServer
 
 
 class StartMethod(RankPreparer, Protocol):
@@ -269,6 +271,18 @@ class ForkMethod(_FunctionMethod):
         )
 
 
+def _fork_server(preload: tuple[str, ...]) -> ForkServer:
+    """The warm server for ``preload``; its client is imported by the first group using one.
+
+    Not at the top: groups of binaries (or spawned, or forked, workers) never need it, and
+    its import (with the server's own module, for the protocol's constants) would cost a
+    service's first start of a binary group ~4 ms of its event loop.
+    """
+    from ..start._forkserver import fork_server
+
+    return fork_server(preload)
+
+
 class ForkServerMethod(_FunctionMethod):
     """A fork of the warm server of the group's preload list per worker."""
 
@@ -276,7 +290,7 @@ class ForkServerMethod(_FunctionMethod):
         self, starter: GroupStarter, prepared: Prepared, opening: Opening
     ) -> _launchers.Launched:
         assert isinstance(prepared.payload, bytes)
-        server = fork_server(self._spec.forkserver_preload)
+        server = _fork_server(self._spec.forkserver_preload)
         return await server.start_worker(
             opening.out_w, opening.err_w, opening.res_w, prepared.payload, opening.stdin
         )
@@ -284,4 +298,4 @@ class ForkServerMethod(_FunctionMethod):
     def after_group(self) -> None:
         # Workers for the next start of this group (a restart) are forked while the
         # server is idle, so that start takes no fork.
-        fork_server(self._spec.forkserver_preload).keep_spares(self._spec.nprocs)
+        _fork_server(self._spec.forkserver_preload).keep_spares(self._spec.nprocs)

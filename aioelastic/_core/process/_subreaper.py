@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
 from collections.abc import Collection, Mapping
 from contextlib import AbstractContextManager, nullcontext
@@ -106,7 +105,9 @@ def lineage_env(env: Mapping[str, str]) -> dict[str, str]:
         return {}
     with runtime.lock:
         if runtime.lineage_token is None:
-            runtime.lineage_token = secrets.token_hex(8)
+            # What secrets.token_hex reads, without importing secrets: hashlib and
+            # hmac load OpenSSL, a cost paid inside a service's first start.
+            runtime.lineage_token = os.urandom(8).hex()
         token = runtime.lineage_token
     inherited = env.get(LINEAGE_ENV, "")
     if token in inherited.split(":"):

@@ -9,7 +9,6 @@ import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any
 
 from ..child._error_file import (
@@ -207,6 +206,9 @@ class ProcessFailure:
         A timestamp no date can show (set by hand: NaN, negative, past year 9999) gives
         ``"<invalid timestamp ...>"`` instead of raising, so a report always renders.
         """
+        # Imported here: a start never renders a report, and it is the only use.
+        from datetime import datetime
+
         try:
             when = datetime.fromtimestamp(self.timestamp).astimezone()
             return when.isoformat(timespec="microseconds")

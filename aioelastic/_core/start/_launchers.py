@@ -19,7 +19,6 @@ shared by every loop, and a forked child that supervises workers builds its own.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing.spawn
 import os
 import signal
 import subprocess
@@ -119,6 +118,8 @@ def python_command(code: str) -> list[str]:
     # aioelastic/_core/start/).
     package_parent = str(Path(__file__).resolve().parents[3])
     bootstrap = f"import sys; sys.path.append({package_parent!r}); {code}"
+    import multiprocessing.spawn  # only a spawned interpreter needs it (see preparation_data)
+
     return [
         multiprocessing.spawn.get_executable(),
         *subprocess._args_from_interpreter_flags(),  # type: ignore[attr-defined]
@@ -163,6 +164,10 @@ def preparation_data(name: str) -> dict[str, object]:
     for ``multiprocessing`` connections, which our workers do not use, and it refuses to
     be pickled outside ``multiprocessing``'s own spawning.
     """
+    # Imported here: a group of binaries never needs it, and its import would cost a
+    # service's first start ~3 ms of its event loop.
+    import multiprocessing.spawn
+
     data: dict[str, object] = multiprocessing.spawn.get_preparation_data(name)
     data.pop("authkey", None)
     return data
