@@ -26,22 +26,14 @@ if TYPE_CHECKING:
         ProcessRaisedException as ProcessRaisedException,
         spawn as spawn,
     )
+    from ._core.aio._signals import SignalReceived as SignalReceived
     from ._core.group._pcontext import (
         PContext as PContext,
         run_processes as run_processes,
         start_processes as start_processes,
     )
-    from ._core.output._stream import (
-        OutputItem as OutputItem,
-        OutputStream as OutputStream,
-    )
-    from ._core.process._signals import (
-        SignalReceived as SignalReceived,
-    )
-    from ._core.process._std import (
-        Std as Std,
-        to_map as to_map,
-    )
+    from ._core.output._std import Std as Std, to_map as to_map
+    from ._core.output._stream import OutputItem as OutputItem, OutputStream as OutputStream
     from ._core.process._subreaper import (
         enable_subreaper as enable_subreaper,
         subreaper_enabled as subreaper_enabled,
@@ -50,19 +42,11 @@ if TYPE_CHECKING:
         ChildFailedError as ChildFailedError,
         ProcessFailure as ProcessFailure,
     )
-    from ._core.reports._record import (
-        record as record,
-    )
-    from ._core.reports._results import (
-        RunProcsResult as RunProcsResult,
-    )
-    from ._core.start._forkserver import (
-        ForkServerError as ForkServerError,
-    )
-    from ._elastic._agent import (
-        LocalElasticAgent as LocalElasticAgent,
-    )
-    from ._elastic._agent_types import (
+    from ._core.reports._record import record as record
+    from ._core.reports._results import RunProcsResult as RunProcsResult
+    from ._core.start._forkserver import ForkServerError as ForkServerError
+    from ._elastic.agent._agent import LocalElasticAgent as LocalElasticAgent
+    from ._elastic.agent._types import (
         RestartBackoff as RestartBackoff,
         RunResult as RunResult,
         Worker as Worker,
@@ -70,12 +54,12 @@ if TYPE_CHECKING:
         WorkerSpec as WorkerSpec,
         WorkerState as WorkerState,
     )
-    from ._elastic._elastic_launch import (
+    from ._elastic.launch._elastic_launch import (
         LaunchConfig as LaunchConfig,
         elastic_launch as elastic_launch,
         launch_agent as launch_agent,
     )
-    from ._elastic._events import (
+    from ._elastic.observe._events import (
         AgentEvent as AgentEvent,
         EventStream as EventStream,
         FailureReason as FailureReason,
@@ -88,9 +72,7 @@ if TYPE_CHECKING:
         WorkerFailed as WorkerFailed,
         WorkersStarted as WorkersStarted,
     )
-    from ._elastic._rdzv_handlers import (
-        create_rdzv_handler as create_rdzv_handler,
-    )
+    from ._elastic.rendezvous._handlers import create_rdzv_handler as create_rdzv_handler
 
 # The public surface, the one list of it: public name -> the private module that defines
 # it, grouped as the docs present it. ``__all__`` is derived from it, and attributes are
@@ -118,35 +100,35 @@ _EXPORTS = {
     "launch": "._compat._launch",
     "spawn": "._compat._spawn",
     # The elastic agent
-    "LaunchConfig": "._elastic._elastic_launch",
-    "LocalElasticAgent": "._elastic._agent",
-    "RestartBackoff": "._elastic._agent_types",
-    "RunResult": "._elastic._agent_types",
-    "Worker": "._elastic._agent_types",
-    "WorkerGroup": "._elastic._agent_types",
-    "WorkerSpec": "._elastic._agent_types",
-    "WorkerState": "._elastic._agent_types",
-    "create_rdzv_handler": "._elastic._rdzv_handlers",
-    "elastic_launch": "._elastic._elastic_launch",
-    "launch_agent": "._elastic._elastic_launch",
-    "SignalReceived": "._core.process._signals",
+    "LaunchConfig": "._elastic.launch._elastic_launch",
+    "LocalElasticAgent": "._elastic.agent._agent",
+    "RestartBackoff": "._elastic.agent._types",
+    "RunResult": "._elastic.agent._types",
+    "Worker": "._elastic.agent._types",
+    "WorkerGroup": "._elastic.agent._types",
+    "WorkerSpec": "._elastic.agent._types",
+    "WorkerState": "._elastic.agent._types",
+    "create_rdzv_handler": "._elastic.rendezvous._handlers",
+    "elastic_launch": "._elastic.launch._elastic_launch",
+    "launch_agent": "._elastic.launch._elastic_launch",
+    "SignalReceived": "._core.aio._signals",
     # Lifecycle events of the agent
-    "AgentEvent": "._elastic._events",
-    "EventStream": "._elastic._events",
-    "FailureReason": "._elastic._events",
-    "GroupRestarting": "._elastic._events",
-    "GroupStopping": "._elastic._events",
-    "RendezvousCompleted": "._elastic._events",
-    "RunFailed": "._elastic._events",
-    "RunSucceeded": "._elastic._events",
-    "StopReason": "._elastic._events",
-    "WorkerFailed": "._elastic._events",
-    "WorkersStarted": "._elastic._events",
+    "AgentEvent": "._elastic.observe._events",
+    "EventStream": "._elastic.observe._events",
+    "FailureReason": "._elastic.observe._events",
+    "GroupRestarting": "._elastic.observe._events",
+    "GroupStopping": "._elastic.observe._events",
+    "RendezvousCompleted": "._elastic.observe._events",
+    "RunFailed": "._elastic.observe._events",
+    "RunSucceeded": "._elastic.observe._events",
+    "StopReason": "._elastic.observe._events",
+    "WorkerFailed": "._elastic.observe._events",
+    "WorkersStarted": "._elastic.observe._events",
     # Logs and output
     "OutputItem": "._core.output._stream",
     "OutputStream": "._core.output._stream",
-    "Std": "._core.process._std",
-    "to_map": "._core.process._std",
+    "Std": "._core.output._std",
+    "to_map": "._core.output._std",
     # Process ownership
     "enable_subreaper": "._core.process._subreaper",
     "subreaper_enabled": "._core.process._subreaper",

@@ -38,17 +38,17 @@ import anyio
 from ._cli._cli_parser import parse_args, usage_error
 from ._core.child._error_file import ERROR_FILE_ENV
 from ._core.child._script import run_script_path
-from ._core.process import _log_root as log_root
+from ._core.output import _log_root as log_root
+from ._core.output._std import Std
 from ._core.process._exit_status import signal_text
-from ._core.process._std import Std
 from ._core.process._subreaper import enable_subreaper
 from ._core.reports._failures import ChildFailedError, ProcessFailure
 from ._core.reports._record import record_child_failure
-from ._elastic._narrate import LauncherFormatter
+from ._elastic.observe._narrate import LauncherFormatter
 
 if TYPE_CHECKING:
     from ._cli._cli_plan import CommandLine
-    from ._elastic._elastic_launch import LaunchConfig
+    from ._elastic.launch._elastic_launch import LaunchConfig
 
 __all__ = ["exit_code_for", "main", "run", "run_script_path"]
 
@@ -60,8 +60,8 @@ PROG = "aioelastic-run"
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """The console script: run the job described by ``argv`` and exit with its status."""
     code = run(argv)
-    if "aioelastic._elastic._rdzv_thread" in sys.modules:
-        from ._elastic._rdzv_thread import calls_in_flight
+    if "aioelastic._elastic.store._serial_thread" in sys.modules:
+        from ._elastic.store._serial_thread import calls_in_flight
 
         if calls_in_flight():
             # A rendezvous or store call abandoned on its daemon thread (a store that
@@ -146,8 +146,8 @@ def _configure_logging() -> None:
 
 
 async def _run_job(config: LaunchConfig, command: CommandLine) -> int:
-    from ._core.process._signals import SignalReceived
-    from ._elastic._elastic_launch import elastic_launch
+    from ._core.aio._signals import SignalReceived
+    from ._elastic.launch._elastic_launch import elastic_launch
 
     job_dir, temporary = _job_log_dir(config, command)
     entrypoint, args = command.target()

@@ -30,13 +30,13 @@ import pytest
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
-from aioelastic._core.process._signals import SignalReceived  # noqa: E402
+from aioelastic._core.aio._signals import SignalReceived  # noqa: E402
 from aioelastic._core.reports._failures import ChildFailedError  # noqa: E402
 from aioelastic._core.start import _forkserver  # noqa: E402
-from aioelastic._elastic._agent import LocalElasticAgent  # noqa: E402
-from aioelastic._elastic._agent_types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402
-from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402
-from aioelastic._elastic._events import (  # noqa: E402
+from aioelastic._elastic.agent._agent import LocalElasticAgent  # noqa: E402
+from aioelastic._elastic.agent._types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402
+from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402
+from aioelastic._elastic.observe._events import (  # noqa: E402
     AgentEvent,
     FailureReason,
     GroupRestarting,
@@ -622,7 +622,7 @@ async def test_without_store_sharing_each_attempt_gets_a_new_worker_port(
 def test_one_node_without_store_sharing_keeps_torch_out_of_the_launcher(out_dir: Path) -> None:
     code = (
         "import asyncio, json, sys\n"
-        "from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch\n"
+        "from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch\n"
         "from tests.children.agent import report\n"
         "config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)\n"
         "out = asyncio.run(elastic_launch(config, report)(sys.argv[1]))\n"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._elastic._agent_env import worker_env
-from aioelastic._elastic._agent_types import Worker, WorkerGroup, WorkerSpec
+from aioelastic._elastic.agent._env import worker_env
+from aioelastic._elastic.agent._types import Worker, WorkerGroup, WorkerSpec
 from tests.children import agent as children
 
 
@@ -140,7 +140,7 @@ def _added(env: dict[str, str]) -> dict[str, str]:
 async def test_workers_see_what_they_see_under_torchrun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharing: str
 ) -> None:
-    from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch
+    from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch
 
     for name in ("OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)

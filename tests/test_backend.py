@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core.process._signals import handle_signals
+from aioelastic._core.aio._signals import handle_signals
 
 pytestmark = pytest.mark.timeout(60)
 

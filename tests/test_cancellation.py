@@ -47,7 +47,8 @@ import pytest
 
 import aioelastic
 from aioelastic import Std
-from aioelastic._core.process import _pace, _platform
+from aioelastic._core.aio import _pace
+from aioelastic._core.process import _platform
 from tests.audit import Audit, audit_fds, new_zombies, open_fds, reaped, zombie_children
 from tests.children import core, soak
 from tests.groups import envs, ranks

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from aioelastic._core.process._std import Std
-from aioelastic._elastic._agent_types import RestartBackoff
+from aioelastic._core.output._std import Std
+from aioelastic._elastic.agent._types import RestartBackoff
 from tests.cli_run import REPO, Launcher, launch, launcher, wait_gone, with_env
 
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")
@@ -97,7 +97,9 @@ def test_the_launcher_does_not_import_torch_for_a_single_node_run() -> None:
     # torch in the profile is the launcher's.
     imported = [line for line in run.err if re.search(r"\|\s+torch$", line.rstrip())]
     assert imported == [], "".join(imported)
-    assert any(re.search(r"\|\s+aioelastic\._elastic\._agent$", line.rstrip()) for line in run.err)
+    assert any(
+        re.search(r"\|\s+aioelastic\._elastic\.agent\._agent$", line.rstrip()) for line in run.err
+    )
 
 
 # -- usage errors ---------------------------------------------------------------------------

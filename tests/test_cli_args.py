@@ -23,7 +23,7 @@ from aioelastic import LaunchConfig
 from aioelastic._cli._cli_flags import FLAGS, flag_for
 from aioelastic._cli._cli_parser import build_parser, parse_args
 from aioelastic._cli._cli_plan import CommandLine, config_from_args, resolve_nproc_per_node
-from aioelastic._core.process._std import Std
+from aioelastic._core.output._std import Std
 
 # Flags of torch's parser that torchrun marks private or that only torch.distributed.launch
 # has; everything else must exist here under the same spellings.
@@ -393,7 +393,7 @@ def test_static_rendezvous_needs_fixed_node_count_and_rank_in_range() -> None:
 def test_the_static_store_address_is_decided_once_for_the_cli_and_the_api(
     endpoint: str, nodes: int, store: tuple[str, int | None]
 ) -> None:
-    from aioelastic._elastic._elastic_launch import static_store
+    from aioelastic._elastic.launch._elastic_launch import static_store
 
     assert static_store(endpoint, nodes) == store
     api = LaunchConfig(
@@ -585,7 +585,7 @@ def test_missing_script_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
     from aioelastic._core.process import _values as values
-    from aioelastic._elastic import _node_values as node_values
+    from aioelastic._elastic.settings import _node_values as node_values
 
     # Text from the command line and typed values from the API parse to the same thing.
     assert values.port("0") == values.port(0) == 0
@@ -615,8 +615,8 @@ def test_the_value_parsers_accept_both_spellings_of_a_value() -> None:
 def test_a_launch_parses_its_config_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
     from aioelastic import elastic_launch
-    from aioelastic._elastic import _node_values as node_values
-    from aioelastic._elastic._config import AgentConfig
+    from aioelastic._elastic.settings import _node_values as node_values
+    from aioelastic._elastic.settings._config import AgentConfig
 
     builds: list[dict[str, Any]] = []
     shutdown_reads: list[object] = []

@@ -683,7 +683,7 @@ def test_importing_errors_does_not_import_torch() -> None:
     code = (
         "import sys, aioelastic._core.reports._errors, aioelastic._core.child._error_file; "
         "import aioelastic._core.reports._failures, aioelastic._core.reports._record; "
-        "import aioelastic._core.reports._results, aioelastic._core.process._std; "
+        "import aioelastic._core.reports._results, aioelastic._core.output._std; "
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)"
     )
     proc = subprocess.run(

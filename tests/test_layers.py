@@ -119,10 +119,20 @@ def test_the_core_needs_no_other_layer() -> None:
 
 #: The rooms of ``_core``, lowest first, each a sub-package (``aioelastic/_core/<room>/``,
 #: its ``__init__`` saying what it holds): a module imports only from its own room or a
-#: lower one, so the order a worker's life is built in (the process and its values, what
-#: runs in the child, reports, starting processes and seeing them exit, output, the worker
+#: lower one, so the order a worker's life is built in (the process and its values, the
+#: async utilities, what runs in the child, reports, starting processes and seeing them exit, output, the worker
 #: record and its teardown, hangs, the group) shows in the imports and stays that way.
-CORE_ROOMS = ["process", "child", "reports", "start", "output", "worker", "hangs", "group"]
+CORE_ROOMS = [
+    "process",
+    "aio",
+    "child",
+    "reports",
+    "start",
+    "output",
+    "worker",
+    "hangs",
+    "group",
+]
 CORE = "aioelastic._core"
 
 
@@ -156,6 +166,45 @@ def test_imports_only_go_down_the_rooms_of_the_core() -> None:
         if module.startswith(CORE + ".")
         for target in targets
         if target.startswith(CORE + ".") and _core_room(target) > _core_room(module)
+    )
+    assert upward == []
+
+
+#: The rooms of ``_elastic``, lowest first, as ``_core``'s: what the agent tells the world
+#: (events, narration, metrics), the settings and their parsers, the store as the agent
+#: calls it, the job channel the nodes of a round talk through, one node's rendezvous, the
+#: agent and its attempts, and the launch API on top.
+ELASTIC_ROOMS = ["observe", "settings", "store", "channel", "rendezvous", "agent", "launch"]
+ELASTIC = "aioelastic._elastic"
+
+
+def _elastic_room(module: str) -> int:
+    return ELASTIC_ROOMS.index(module.split(".")[2])
+
+
+def test_every_elastic_module_is_in_one_room() -> None:
+    misplaced = sorted(
+        m
+        for m in MODULES
+        if m.startswith(ELASTIC + ".")
+        and not (m.split(".")[2] in ELASTIC_ROOMS and len(m.split(".")) in (3, 4))
+    )
+    assert misplaced == [], "put a new _elastic module in one of ELASTIC_ROOMS"
+    folders = [p.name for p in (PACKAGE / "_elastic").iterdir() if p.is_dir()]
+    assert sorted(f for f in folders if f != "__pycache__") == sorted(ELASTIC_ROOMS)
+    for room in ELASTIC_ROOMS:
+        init = PACKAGE / "_elastic" / room / "__init__.py"
+        assert init.is_file(), f"{room} is a package of its own (setuptools finds it so)"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"say what {room} holds"
+
+
+def test_imports_only_go_down_the_rooms_of_the_elastic_layer() -> None:
+    upward = sorted(
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith(ELASTIC + ".")
+        for target in targets
+        if target.startswith(ELASTIC + ".") and _elastic_room(target) > _elastic_room(module)
     )
     assert upward == []
 
@@ -212,7 +261,11 @@ def test_layer_packages_import_nothing_when_imported() -> None:
     # A worker imports aioelastic._core.child._bootstrap, and with it every package on the
     # way (a room's package too, and a module imports from other rooms): those __init__
     # files must stay empty of imports so that a worker pays for nothing else.
-    packages = [*LAYERS, *(f"_core/{room}" for room in CORE_ROOMS)]
+    packages = [
+        *LAYERS,
+        *(f"_core/{room}" for room in CORE_ROOMS),
+        *(f"_elastic/{room}" for room in ELASTIC_ROOMS),
+    ]
     for package in packages:
         tree = ast.parse((PACKAGE / package / "__init__.py").read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom)], (
@@ -232,7 +285,7 @@ def test_error_types_unpickle_from_their_old_module_paths() -> None:
         aioelastic.ProcessRaisedException
     )
     old = pickle.dumps(aioelastic.SignalReceived(15), protocol=0).replace(
-        b"aioelastic._core.process._signals", b"aioelastic._signals"
+        b"aioelastic._core.aio._signals", b"aioelastic._signals"
     )
     assert b"aioelastic._signals" in old
     assert isinstance(pickle.loads(old), aioelastic.SignalReceived)

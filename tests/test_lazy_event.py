@@ -3,7 +3,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from aioelastic._core.process._lazy_event import LazyEvent
+from aioelastic._core.aio._lazy_event import LazyEvent
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

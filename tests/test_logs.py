@@ -29,9 +29,9 @@ import pytest
 
 from aioelastic import ChildFailedError, Std, run_processes, start_processes
 from aioelastic._core.output import _logs
+from aioelastic._core.output._console import ConsoleStream
 from aioelastic._core.output._frames import Framer, Live
 from aioelastic._core.output._logs import StreamPump
-from aioelastic._core.process._console import ConsoleStream
 from aioelastic._core.process._platform import proc_stat
 from tests.children import logs as children
 from tests.children.logs import BAD_BYTES, numbered_line

@@ -17,8 +17,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aioelastic import LocalElasticAgent, WorkerSpec, WorkerState, free_port
-from aioelastic._elastic._http import serve_http
-from aioelastic._elastic._metrics import (
+from aioelastic._elastic.observe._http import serve_http
+from aioelastic._elastic.observe._metrics import (
     Liveness,
     Metrics,
     health_port_from_env,

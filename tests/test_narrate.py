@@ -1,4 +1,4 @@
-"""The launcher's own lines (aioelastic._elastic._narrate): readable, torchrun-like, no reprs."""
+"""The launcher's own lines (``observe._narrate``): readable, torchrun-like, no reprs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from aioelastic._core.reports._failures import ProcessFailure
-from aioelastic._elastic._events import (
+from aioelastic._elastic.observe._events import (
     FailureReason,
     GroupRestarting,
     GroupStopping,
@@ -23,7 +23,7 @@ from aioelastic._elastic._events import (
     WorkerFailed,
     WorkersStarted,
 )
-from aioelastic._elastic._narrate import LauncherFormatter, Narrator
+from aioelastic._elastic.observe._narrate import LauncherFormatter, Narrator
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "tests" / "children" / "cli.py")

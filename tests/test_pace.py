@@ -21,8 +21,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core.process import _pace
-from aioelastic._core.process._pace import pace
+from aioelastic._core.aio import _pace
+from aioelastic._core.aio._pace import pace
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -15,7 +15,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core.process import _log_root as log_root, _platform
+from aioelastic._core.output import _log_root as log_root
+from aioelastic._core.process import _platform
 from aioelastic._core.start._forkserver import fork_server
 from tests.children import core
 from tests.groups import envs

@@ -11,8 +11,8 @@ import anyio
 import pytest
 
 import aioelastic
-from aioelastic._core.process import _reader_hub
-from aioelastic._core.process._reader_hub import ReaderHub, hold_reader_hub, reader_hub
+from aioelastic._core.aio import _reader_hub
+from aioelastic._core.aio._reader_hub import ReaderHub, hold_reader_hub, reader_hub
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(30)]
 

@@ -18,9 +18,9 @@ import pytest
 torch_distributed = pytest.importorskip("torch.distributed")
 torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
-from aioelastic._elastic._node_values import RDZV_OPTIONS, endpoint as parse_endpoint  # noqa: E402
-from aioelastic._elastic._rdzv_handlers import create_rdzv_handler, standalone_handler  # noqa: E402
-from aioelastic._elastic._rdzv_node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
+from aioelastic._elastic.rendezvous._handlers import create_rdzv_handler, standalone_handler  # noqa: E402
+from aioelastic._elastic.rendezvous._node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
+from aioelastic._elastic.settings._node_values import RDZV_OPTIONS, endpoint as parse_endpoint  # noqa: E402
 from tests.spare_node import SpareNodeHandler  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -203,8 +203,8 @@ def test_an_abandoned_join_does_not_hold_the_interpreter_at_exit() -> None:
     # the process would outlive its event loop until torch's join timeout ran out.
     code = (
         "import sys, anyio\n"
-        "from aioelastic._elastic._rdzv_handlers import create_rdzv_handler\n"
-        "from aioelastic._elastic._rdzv_node import Rendezvous\n"
+        "from aioelastic._elastic.rendezvous._handlers import create_rdzv_handler\n"
+        "from aioelastic._elastic.rendezvous._node import Rendezvous\n"
         "async def main() -> None:\n"
         "    handler = await create_rdzv_handler(\n"
         "        'c10d', sys.argv[1], 'lonely', 2, 2, local_addr='127.0.0.1', join_timeout=300\n"

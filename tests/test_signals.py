@@ -1,4 +1,4 @@
-"""Scoped signal handling (aioelastic._core.process._signals).
+"""Scoped signal handling (aioelastic._core.aio._signals).
 
 Signals are sent to the test process itself, so only SIGUSR1/SIGUSR2: the `guard` fixture
 gives both a recording Python handler for every test, so a handler that is not installed
@@ -24,7 +24,7 @@ from types import FrameType
 import anyio
 import pytest
 
-from aioelastic._core.process._signals import SignalReceived, SignalScope, handle_signals
+from aioelastic._core.aio._signals import SignalReceived, SignalScope, handle_signals
 from tests.waits import is_running
 
 pytestmark = pytest.mark.timeout(30)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from aioelastic._core.process._std import Std, to_map
+from aioelastic._core.output._std import Std, to_map
 
 
 def test_flags_combine() -> None:

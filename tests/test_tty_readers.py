@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from aioelastic._core.process import _tty_readers
-from aioelastic._core.process._tty_readers import reads_terminal, terminal_device
+from aioelastic._core.output import _tty_readers
+from aioelastic._core.output._tty_readers import reads_terminal, terminal_device
 from tests.waits import process_state
 
 pytestmark = pytest.mark.timeout(60)

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from .._core.output._std import Std
 from .._core.process import _values as values
-from .._core.process._std import Std
-from .._elastic import _node_values as node_values
+from .._elastic.settings import _node_values as node_values
 
 __all__ = ["ENV_PREFIX", "FLAGS", "TORCH_PREFIX_ENV", "Flag", "flag_for"]
 

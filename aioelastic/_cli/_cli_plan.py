@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core.child import _stack_hook as stack_hook
+from .._core.output._std import Std, to_map
 from .._core.process import _values as values
-from .._core.process._std import Std, to_map
-from .._elastic import _node_values as node_values
-from .._elastic._agent_types import RestartBackoff
-from .._elastic._elastic_launch import LaunchConfig
+from .._elastic.agent._types import RestartBackoff
+from .._elastic.launch._elastic_launch import LaunchConfig
+from .._elastic.settings import _node_values as node_values
 from ._cli_flags import FLAGS, flag_for
 
 __all__ = ["CommandLine", "config_from_args", "resolve_nproc_per_node"]

@@ -24,11 +24,11 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from .._core.aio._backend import require_asyncio
+from .._core.aio._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
 from .._core.group._pcontext import start_processes
 from .._core.process import _values as values
-from .._core.process._backend import require_asyncio
 from .._core.process._exit_status import signal_text
-from .._core.process._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
 from .._core.reports._failures import ChildFailedError
 
 __all__ = ["MainProcessError", "WorkerError", "free_port", "launch"]

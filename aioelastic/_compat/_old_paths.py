@@ -32,7 +32,7 @@ __all__ = ["OLD_PATHS", "install"]
 OLD_PATHS = {
     # Before the package had layers.
     "aioelastic._errors": "aioelastic._core.reports._errors",
-    "aioelastic._signals": "aioelastic._core.process._signals",
+    "aioelastic._signals": "aioelastic._core.aio._signals",
     "aioelastic._forkserver": "aioelastic._core.start._forkserver",
     "aioelastic._preload": "aioelastic._core.child._preload",
     "aioelastic._launch": "aioelastic._compat._launch",
@@ -48,8 +48,8 @@ OLD_PATHS = {
     "aioelastic._core._forkserver": "aioelastic._core.start._forkserver",
     "aioelastic._core._preload": "aioelastic._core.child._preload",
     "aioelastic._core._exit_watch": "aioelastic._core.start._exit_watch",
-    "aioelastic._core._signals": "aioelastic._core.process._signals",
-    "aioelastic._core._std": "aioelastic._core.process._std",
+    "aioelastic._core._signals": "aioelastic._core.aio._signals",
+    "aioelastic._core._std": "aioelastic._core.output._std",
     "aioelastic._core._subreaper": "aioelastic._core.process._subreaper",
     "aioelastic._core._output": "aioelastic._core.output._stream",
     # ... the stack hook (``python -m``), and what a worker's or a fork server's command
@@ -59,6 +59,17 @@ OLD_PATHS = {
     "aioelastic._core._platform": "aioelastic._core.process._platform",
     "aioelastic._core._forkserver_process": "aioelastic._core.child._forkserver_process",
     "aioelastic._core._script": "aioelastic._core.child._script",
+    # Before the async utilities and the output plumbing left _core.process: the modules
+    # that define a public name (SignalReceived, Std).
+    "aioelastic._core.process._signals": "aioelastic._core.aio._signals",
+    "aioelastic._core.process._std": "aioelastic._core.output._std",
+    # Before _elastic had rooms: the modules that define the public names (a pickled
+    # RunResult, WorkerState or event names one of them).
+    "aioelastic._elastic._agent": "aioelastic._elastic.agent._agent",
+    "aioelastic._elastic._agent_types": "aioelastic._elastic.agent._types",
+    "aioelastic._elastic._elastic_launch": "aioelastic._elastic.launch._elastic_launch",
+    "aioelastic._elastic._events": "aioelastic._elastic.observe._events",
+    "aioelastic._elastic._rdzv_handlers": "aioelastic._elastic.rendezvous._handlers",
 }
 """Old module path -> the module that defines the same objects now."""
 

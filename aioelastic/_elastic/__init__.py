@@ -1,4 +1,6 @@
-"""The elastic layer: ``elastic_launch``, the agent, rendezvous, events and metrics.
+"""The elastic layer: ``elastic_launch``, the agent, rendezvous, the job channel, events.
 
-Built on the core (one group per attempt). Empty of imports on purpose.
+Built on the core (one group per attempt), in rooms lowest first: ``observe`` (what the
+agent tells the world), ``settings``, ``store``, ``channel``, ``rendezvous``, ``agent``,
+``launch``. Empty of imports on purpose.
 """

@@ -39,7 +39,7 @@ def aio_core() -> Any:
 
 def aio_std() -> Any:
     """aioelastic's ``Std`` flag."""
-    return aio("aioelastic._core.process._std").Std
+    return aio("aioelastic._core.output._std").Std
 
 
 def torch_mp() -> Any:

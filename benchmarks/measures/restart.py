@@ -67,7 +67,7 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
     """
     import anyio
 
-    launch = aio("aioelastic._elastic._elastic_launch")
+    launch = aio("aioelastic._elastic.launch._elastic_launch")
     from benchmarks import _fn_torch
 
     # Our fork server imports only what it is asked to: torch's wrapper module is not ours.

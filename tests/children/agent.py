@@ -173,9 +173,9 @@ def _event_json(event: Any) -> str:
 async def _run_agent(opts: argparse.Namespace) -> int:
     import anyio
 
-    from aioelastic._core.process._signals import SignalReceived
+    from aioelastic._core.aio._signals import SignalReceived
     from aioelastic._core.reports._failures import ChildFailedError
-    from aioelastic._elastic._elastic_launch import LaunchConfig, elastic_launch
+    from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch
 
     min_nodes, _, max_nodes = opts.nnodes.partition(":")
     conf: dict[str, Any] = {

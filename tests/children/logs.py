@@ -174,7 +174,7 @@ def console_after_fork() -> None:
     """Print through aioelastic's console in a worker forked from a supervisor."""
     import anyio
 
-    from aioelastic._core.process._console import console
+    from aioelastic._core.output._console import console
 
     async def main() -> None:
         console("stdout").put(b"queued after the fork\n")
@@ -212,7 +212,7 @@ async def _supervise(config: dict[str, Any]) -> dict[str, Any]:
     import anyio
 
     from aioelastic import ChildFailedError, Std, start_processes
-    from aioelastic._core.process import _console
+    from aioelastic._core.output import _console
 
     if "high_water" in config:
         _console.HIGH_WATER = int(config["high_water"])

@@ -18,7 +18,7 @@ import threading
 
 import anyio
 
-from aioelastic._core.process._console import console
+from aioelastic._core.output._console import console
 from aioelastic._core.process._runtime import Runtime, runtime
 from aioelastic._core.process._subreaper import enable_subreaper, subreaper_enabled
 from aioelastic._core.start import _forkserver

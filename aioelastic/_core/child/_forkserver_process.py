@@ -55,13 +55,13 @@ import traceback
 from dataclasses import dataclass
 
 from ..process import _platform
-from ..process._status import encode_status
 
 # Imported here, once, not in each worker after its fork: the import cost every worker
 # ~4 ms of CPU and ~750 pages copied from the memory it shares with us.
 from ._bootstrap import forked_worker, reset_inherited_signal_state
 from ._huge_pages import fold_into_huge_pages
 from ._preload import UnforkablePreloadError, import_preload
+from ._status_record import encode_status
 
 _MAX_MSG = 1 << 16
 #: The largest pickled call sent inside a start request (the rest of ``_MAX_MSG`` is the

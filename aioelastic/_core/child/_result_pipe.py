@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import asyncio
 
-    from ..process._reader_hub import ReaderHub
+    from ..aio._reader_hub import ReaderHub
 
 _HEADER = struct.Struct("=Q")
 _CHUNK = 1 << 20
@@ -91,7 +91,7 @@ class ResultReceiver:
         """
         # Imported here: the worker side of this module (send_result) runs in every
         # spawned worker, which should not pay for importing asyncio.
-        from ..process._reader_hub import reader_hub
+        from ..aio._reader_hub import reader_hub
 
         if self._fd is None or self._hub is not None:
             return

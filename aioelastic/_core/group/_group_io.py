@@ -18,10 +18,10 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from ..aio._lazy_event import wait_all
+from ..aio._reader_hub import hold_reader_hub
 from ..output._collapse import Collapser
-from ..process._console import StreamName, console
-from ..process._lazy_event import wait_all
-from ..process._reader_hub import hold_reader_hub
+from ..output._console import StreamName, console
 from ..worker._process import WorkerProcess
 from ._starting import OutputTarget
 from ._validate import GroupSpec

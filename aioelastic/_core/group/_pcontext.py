@@ -28,14 +28,14 @@ import anyio
 import anyio.abc
 import anyio.lowlevel
 
+from ..aio._backend import callback_context, require_asyncio
+from ..aio._lazy_event import wait_all
+from ..aio._to_the_end import to_the_end
 from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
 from ..hangs._stall import StallTeller
+from ..output._std import Std
 from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..process import _platform
-from ..process._backend import callback_context, require_asyncio
-from ..process._lazy_event import wait_all
-from ..process._std import Std
-from ..process._to_the_end import to_the_end
 from ..reports._failures import ProcessFailure
 from ..reports._results import RunProcsResult
 from ..start import _launchers

@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Protocol, TypeVar
 
+from ..aio._pace import pace
 from ..child._bootstrap import FunctionCall
 from ..child._error_file import ERROR_FILE_ENV
 from ..hangs._guard import HangGuard
+from ..output import _log_root as log_root
 from ..output._logs import create_log
-from ..process import _log_root as log_root
-from ..process._pace import pace
-from ..process._std import Std
+from ..output._std import Std
 from ..start._launchers import on_launcher_thread
 from ._validate import GroupSpec
 

@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 import anyio.lowlevel
 
+from ..aio._pace import pace
 from ..child import _stack_hook as stack_hook
 from ..child._bootstrap import FunctionCall
-from ..process._pace import pace
 from ..process._subreaper import lineage_env
 from ..start import _launchers
 from ..start._binary_start import BinaryLauncher, BinaryStart

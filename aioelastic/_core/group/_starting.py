@@ -27,17 +27,17 @@ from typing import Any
 
 import anyio
 
+from ..aio._pace import pace
 from ..child._result_pipe import ResultReceiver
 from ..hangs._guard import HangGuard
 from ..output._collapse import Collapser
+from ..output._console import ConsoleSink, StreamName, console
 from ..output._logs import StreamPump
+from ..output._std import Std
 from ..output._stdin_router import StdinRouter
 from ..output._stream import OutputHub, StreamOutput
 from ..output._terminal import ConsoleTerminals, WorkerStdio, open_worker_stdio
-from ..process._console import ConsoleSink, StreamName, console
-from ..process._pace import pace
 from ..process._runtime import runtime
-from ..process._std import Std
 from ..start._exit_watch import ExitOutcome
 from ..start._launchers import Launched, kill_and_reap, on_launcher_thread
 from ..start._watchdog import watchdog

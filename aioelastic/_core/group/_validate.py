@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..child._bootstrap import check_not_importing_main
+from ..output._std import Std, to_map
 from ..process import _values as values
-from ..process._std import Std, to_map
 from ..process._values import PREFIX_FIELDS, START_METHODS
 
 __all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "GroupSpec", "validate"]

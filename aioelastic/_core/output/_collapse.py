@@ -47,7 +47,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from ..process._console import ConsoleSink
+from ._console import ConsoleSink
 
 __all__ = ["HELD_BYTES", "HELD_LINES", "MAX_LINE", "Clock", "Collapser", "Lane", "rank_ranges"]
 

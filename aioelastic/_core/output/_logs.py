@@ -33,9 +33,9 @@ import os
 import time
 from collections.abc import Callable
 
-from ..process._console import ConsoleSink
-from ..process._lazy_event import LazyEvent
-from ..process._reader_hub import ReaderHub, reader_hub
+from ..aio._lazy_event import LazyEvent
+from ..aio._reader_hub import ReaderHub, reader_hub
+from ._console import ConsoleSink
 from ._frames import Framer, Live
 from ._stream import StreamOutput
 

@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from ..process._console import console
 from ..process._platform import proc_stat
 from ..process._runtime import runtime
-from ..process._tty_readers import reads_terminal
+from ._console import console
 from ._frames import Live
 from ._logs import StreamPump
+from ._tty_readers import reads_terminal
 
 #: End-of-file typed at the start of a line (VEOF), as the worker's pty expects it.
 _EOF = b"\x04"

@@ -36,7 +36,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import anyio
 
-from ..process._std import Std
+from ._std import Std
 
 __all__ = ["OutputItem", "OutputStream"]
 

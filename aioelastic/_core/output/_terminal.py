@@ -37,10 +37,10 @@ import termios
 import threading
 from dataclasses import dataclass, field
 
-from ..process._tty_readers import terminal_device
 from ._frames import Live
 from ._logs import StreamPump
 from ._stdin_router import StdinTarget, in_foreground
+from ._tty_readers import terminal_device
 
 
 @dataclass
@@ -130,7 +130,7 @@ class WorkerStdio:
     async def _follow_window_size(self, pid: int) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # no signal handlers off the main thread: the size stays as at start
-        from ..process._signals import handle_signals
+        from ..aio._signals import handle_signals
 
         async with handle_signals((signal.SIGWINCH,)) as sigs:
             seen = 0

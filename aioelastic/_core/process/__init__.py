@@ -1,3 +1,4 @@
-"""The process and its values: Linux primitives, signals, the state the whole process
-shares, the console, and one parser per configuration value.
+"""The process and its values: Linux primitives and their fallbacks, how a process exited
+in words, the state the whole process shares, the subreaper, and one parser per
+configuration value.
 """

@@ -6,13 +6,13 @@ Most state belongs to one run (a process context, an agent). A few things belong
 
 * the launcher threads that create workers (:mod:`aioelastic._core.start._launchers`);
 * the warm fork servers, one per preload list (:mod:`aioelastic._core.start._forkserver`);
-* the console writers and their per-file locks (:mod:`aioelastic._core.process._console`);
+* the console writers and their per-file locks (:mod:`aioelastic._core.output._console`);
 * the limiter of the ``waitid`` threads of the exit-watch fallback
   (:mod:`aioelastic._core.start._exit_watch`);
 * the subreaper flag, the children aioelastic started itself, and the token that marks
   the environment of this process's workers (:mod:`aioelastic._core.process._subreaper`);
 * whether a group's stdin router reads our terminal (:mod:`aioelastic._core.output._stdin_router`);
-* whether stale temporary log roots were swept (:mod:`aioelastic._core.process._log_root`).
+* whether stale temporary log roots were swept (:mod:`aioelastic._core.output._log_root`).
 
 The watchdog (:mod:`aioelastic._core.start._watchdog`) is one object for the process's
 lifetime, imported by name where it is used, so it keeps its state itself and registers

@@ -10,7 +10,7 @@ the command line's ``cli_type`` (``aioelastic._cli._cli_flags``).
 
 This module holds the values of a group of workers and the helpers every parser shares;
 the values only an elastic job has (nodes, rendezvous, the agent's signals and exit codes)
-are parsed in the layer that uses them, ``aioelastic._elastic._node_values``.
+are parsed in the layer that uses them, ``aioelastic._elastic.settings._node_values``.
 
 The semantics follow torch 2.13's ``torchrun`` where it has one; where torch accepts a value
 and then ignores it (a signal name it cannot resolve only logs a warning), we refuse it.

@@ -31,10 +31,10 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from ..aio._reader_hub import ReaderHub, reader_hub
+from ..child._status_record import STATUS, decode_status
 from ..process import _platform
-from ..process._reader_hub import ReaderHub, reader_hub
 from ..process._runtime import runtime
-from ..process._status import STATUS, decode_status
 
 #: What a watch reports: the exit code (negative: killed by that signal), or why the
 #: exit status could not be learnt (:class:`ExitNotSeen`, or the error of the read).

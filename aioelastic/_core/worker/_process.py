@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..aio._lazy_event import LazyEvent
 from ..child._result_pipe import ResultReceiver
 from ..output._logs import StreamPump
-from ..process._lazy_event import LazyEvent
 from ..reports._failures import ProcessFailure
 from ..start._launchers import Launched
 

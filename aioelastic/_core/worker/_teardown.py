@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import anyio
 import anyio.lowlevel
 
+from ..aio._lazy_event import wait_all
 from ..process import _platform
-from ..process._lazy_event import wait_all
 from ..process._runtime import runtime
 from ..process._subreaper import sweep_strays
 from ..start._watchdog import watchdog

@@ -1,12 +1,12 @@
 """One node's side of a rendezvous: join a round, agree on worker ranks, the exit barrier.
 
 `NodeRendezvous` is what the agent needs; two kinds provide it. `Rendezvous` is the
-awaitable face of a torch handler (`aioelastic._elastic._rdzv_handlers`): each call runs on the
-handler's own daemon thread (`aioelastic._elastic._rdzv_thread`), so awaiting it can always be
-cancelled at once. A cancelled join still finishes on its thread, and this node stays in
-torch's round state until its keep-alive expires, exactly as if the agent had crashed,
-which torch's protocol already handles for its peers. `LocalRendezvous` is one node
-without an agent store, and needs no torch at all.
+awaitable face of a torch handler (`aioelastic._elastic.rendezvous._handlers`): each call
+runs on the handler's own daemon thread (`aioelastic._elastic.store._serial_thread`), so
+awaiting it can always be cancelled at once. A cancelled join still finishes on its
+thread, and this node stays in torch's round state until its keep-alive expires, exactly as
+if the agent had crashed, which torch's protocol already handles for its peers.
+`LocalRendezvous` is one node without an agent store, and needs no torch at all.
 
 The worker-rank exchange and the exit barrier use torch's store keys and encodings, so an
 aioelastic agent and a torch agent can even take part in the same rendezvous.
@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from . import _rdzv_reform as reform
-from ._job_channel import SINGLE_STORE_LOST_AFTER, AttemptEnd, EndReason, JobChannel
-from ._rdzv_handlers import connection_errors_explained
-from ._rdzv_store import Store, WorkerStoreHost, free_port
-from ._rdzv_thread import SerialThread, on_daemon_thread
+from ..channel._job_channel import SINGLE_STORE_LOST_AFTER, AttemptEnd, EndReason, JobChannel
+from ..store._serial_thread import SerialThread, on_daemon_thread
+from ..store._worker_store import Store, WorkerStoreHost, free_port
+from . import _reform as reform
+from ._handlers import connection_errors_explained
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler

@@ -26,7 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Literal, Protocol
 
-from ._runtime import runtime
+from ..process._runtime import runtime
 
 #: Bytes that may wait for the console before log pumps stop reading their pipes. Read
 #: when a console is first used, so a program may lower it before starting workers.

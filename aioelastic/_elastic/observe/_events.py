@@ -42,7 +42,7 @@ from typing import ClassVar
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._core.reports._failures import ProcessFailure
+from ..._core.reports._failures import ProcessFailure
 
 __all__ = [
     "AgentEvent",

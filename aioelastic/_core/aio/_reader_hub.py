@@ -28,8 +28,8 @@ import asyncio
 import select
 from collections.abc import Callable
 
+from ..process._runtime import forget_in_child
 from ._backend import callback_context
-from ._runtime import forget_in_child
 
 __all__ = ["ReaderHub", "hold_reader_hub", "reader_hub"]
 

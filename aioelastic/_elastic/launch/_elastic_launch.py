@@ -25,20 +25,20 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from .._core.child import _stack_hook as stack_hook
-from .._core.process import _values as values
-from .._core.process._backend import require_asyncio
-from .._core.process._signals import SignalReceived
-from .._core.process._std import Std
-from .._core.reports._failures import ChildFailedError
-from . import _node_values as node_values
-from ._agent import LocalElasticAgent
-from ._agent_types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec
-from ._config import AgentConfig
-from ._event_hub import EventHub
-from ._events import EventStream
-from ._rdzv_handlers import create_rdzv_handler
-from ._rdzv_node import Rendezvous
+from ..._core.aio._backend import require_asyncio
+from ..._core.aio._signals import SignalReceived
+from ..._core.child import _stack_hook as stack_hook
+from ..._core.output._std import Std
+from ..._core.process import _values as values
+from ..._core.reports._failures import ChildFailedError
+from ..agent._agent import LocalElasticAgent
+from ..agent._types import DEFAULT_SIGNALS_TO_HANDLE, RestartBackoff, RunResult, WorkerSpec
+from ..observe._event_hub import EventHub
+from ..observe._events import EventStream
+from ..rendezvous._handlers import create_rdzv_handler
+from ..rendezvous._node import Rendezvous
+from ..settings import _node_values as node_values
+from ..settings._config import AgentConfig
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler

@@ -3,7 +3,7 @@
 The agent never speaks a rendezvous protocol of its own. Handlers come from torch's
 registry (``torch.distributed.elastic.rendezvous.registry``): ``static`` (a TCPStore
 hosted by node rank 0) and ``c10d`` (torch's dynamic rendezvous over a TCPStore, ``min:max``
-nodes), or any handler a user registered there. `aioelastic._elastic._rdzv_node` drives them.
+nodes), or any handler a user registered there. `aioelastic._elastic.rendezvous._node` drives them.
 
 torch is imported only when a handler is created.
 """
@@ -16,8 +16,8 @@ import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _node_values as node_values
-from ._rdzv_thread import on_daemon_thread
+from ..settings import _node_values as node_values
+from ..store._serial_thread import on_daemon_thread
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler

@@ -15,13 +15,7 @@ import signal
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .._core.process._values import (
-    PORT_DIGITS,
-    duration,
-    integer,
-    positive_int,
-    split_items,
-)
+from ..._core.process._values import PORT_DIGITS, duration, integer, positive_int, split_items
 
 __all__ = [
     "DEFAULT_SHUTDOWN_TIMEOUT",

@@ -3,7 +3,7 @@
 torch's public types of ``torch.distributed.elastic.agent.server`` under the same names and
 contracts: `WorkerSpec` (what to run and how to recover, plus `RestartBackoff`), `Worker`
 and `WorkerGroup` (this node's workers and their ranks), `WorkerState`, `RunResult`. They
-hold data and check it on construction; `aioelastic._elastic._agent` runs them.
+hold data and check it on construction; `aioelastic._elastic.agent._agent` runs them.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .._core.process import _values as values
-from .._core.reports._failures import ProcessFailure
-from . import _node_values as node_values
+from ..._core.process import _values as values
+from ..._core.reports._failures import ProcessFailure
+from ..settings import _node_values as node_values
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler
 
-    from ._rdzv_store import Store
+    from ..store._worker_store import Store
 
 __all__ = [
     "DEFAULT_ROLE",

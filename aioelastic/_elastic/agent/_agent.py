@@ -43,31 +43,21 @@ from typing import Any
 
 import anyio
 
-from .._core.group._pcontext import PContext, start_processes
-from .._core.hangs._guard import stack_requests
-from .._core.hangs._stall import StallReport
-from .._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
-from .._core.process import _log_root as log_root
-from .._core.process._backend import require_asyncio
-from .._core.process._exit_status import signal_text
-from .._core.process._signals import SignalReceived, SignalScope, handle_signals
-from .._core.process._std import Std
-from .._core.reports._failures import ProcessFailure
-from .._core.reports._results import RunProcsResult
-from ._agent_env import worker_env
-from ._agent_types import (
-    DEFAULT_ROLE,
-    RunResult,
-    Worker,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-    substitute_local_rank,
-)
-from ._agent_watch import MembershipChange, PeerEnded, Watched, watch_attempt
-from ._config import AgentConfig
-from ._event_hub import EventHub
-from ._events import (
+from ..._core.aio._backend import require_asyncio
+from ..._core.aio._signals import SignalReceived, SignalScope, handle_signals
+from ..._core.group._pcontext import PContext, start_processes
+from ..._core.hangs._guard import stack_requests
+from ..._core.hangs._stall import StallReport
+from ..._core.output import _log_root as log_root
+from ..._core.output._std import Std
+from ..._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
+from ..._core.process._exit_status import signal_text
+from ..._core.reports._failures import ProcessFailure
+from ..._core.reports._results import RunProcsResult
+from ..channel._job_channel import AttemptEnd, EndReason, JobChannel, end_of_failure
+from ..channel._job_stacks import JobStacks, RankStack
+from ..observe._event_hub import EventHub
+from ..observe._events import (
     AgentEvent,
     EventStream,
     FailureReason,
@@ -80,10 +70,20 @@ from ._events import (
     WorkerFailed,
     WorkersStarted,
 )
-from ._job_channel import AttemptEnd, EndReason, JobChannel, end_of_failure
-from ._job_stacks import JobStacks, RankStack
-from ._metrics import observed
-from ._rdzv_node import LocalRendezvous, NodeRendezvous, Rendezvous
+from ..observe._metrics import observed
+from ..rendezvous._node import LocalRendezvous, NodeRendezvous, Rendezvous
+from ..settings._config import AgentConfig
+from ._env import worker_env
+from ._types import (
+    DEFAULT_ROLE,
+    RunResult,
+    Worker,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+    substitute_local_rank,
+)
+from ._watch import MembershipChange, PeerEnded, Watched, watch_attempt
 
 __all__ = ["LocalElasticAgent"]
 
@@ -240,7 +240,7 @@ class LocalElasticAgent:
         return self._group
 
     def events(self) -> EventStream:
-        """Subscribe to this agent's lifecycle events (see `aioelastic._elastic._events`).
+        """Subscribe to this agent's lifecycle events (see `aioelastic._elastic.observe._events`).
 
         Call it before ``run()`` to see every event; the iteration ends after the run's
         last event. Each call makes an independent subscriber.
@@ -440,7 +440,7 @@ class LocalElasticAgent:
         self._log_root = root
 
     def _drop_empty_temporary_logs(self) -> None:
-        """Remove a temporary log root that received no file (see `_core.process._log_root`)."""
+        """Remove a temporary log root that received no file (see `_core.output._log_root`)."""
         if self._config.log_dir is None and self._log_root is not None:
             log_root.remove_if_empty(self._log_root, f"agent {self._spec.role!r}")
 

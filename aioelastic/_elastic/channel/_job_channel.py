@@ -53,12 +53,12 @@ from typing import TypeVar
 
 import anyio
 
-from .._core.child._error_file import NOT_AVAILABLE
-from .._core.process._exit_status import exit_description
-from .._core.reports._failures import ProcessFailure
+from ..._core.child._error_file import NOT_AVAILABLE
+from ..._core.process._exit_status import exit_description
+from ..._core.reports._failures import ProcessFailure
+from ..store._serial_thread import SerialThread
+from ..store._worker_store import Store
 from ._job_stacks import JobStacks, RankStack
-from ._rdzv_store import Store
-from ._rdzv_thread import SerialThread
 
 __all__ = [
     "BEAT",

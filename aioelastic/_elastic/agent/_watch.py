@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import anyio
 
-from .._core.group._pcontext import PContext
-from .._core.reports._failures import ProcessFailure
-from .._core.reports._results import RunProcsResult
-from ._job_channel import AttemptEnd, Capture, JobChannel
-from ._rdzv_node import NodeRendezvous
+from ..._core.group._pcontext import PContext
+from ..._core.reports._failures import ProcessFailure
+from ..._core.reports._results import RunProcsResult
+from ..channel._job_channel import AttemptEnd, Capture, JobChannel
+from ..rendezvous._node import NodeRendezvous
 
 __all__ = ["MembershipChange", "PeerEnded", "watch_attempt"]
 

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._agent_types import Worker, WorkerGroup
+    from ._types import Worker, WorkerGroup
 
 __all__ = ["worker_env"]
 

@@ -22,7 +22,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ._runtime import runtime
+from ..process._runtime import runtime
 
 logger = logging.getLogger("aioelastic")
 

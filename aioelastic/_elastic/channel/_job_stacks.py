@@ -22,7 +22,7 @@ import re
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ._narrate import rank_ranges
+from ..observe._narrate import rank_ranges
 
 __all__ = ["JobStacks", "RankStack"]
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from .._core.process import _values as values
-from .._core.process._std import Std, to_map
+from ..._core.output._std import Std, to_map
+from ..._core.process import _values as values
+from ..observe._metrics import health_port_from_env
 from . import _node_values as node_values
-from ._metrics import health_port_from_env
 
 __all__ = ["AgentConfig", "SIGNALS_ENV"]
 

@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 
 import anyio
 
+from ..process._exit_status import signal_text
 from ._backend import require_asyncio
-from ._exit_status import signal_text
 from ._to_the_end import wait_out
 
 __all__ = [

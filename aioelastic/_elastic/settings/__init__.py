@@ -1,0 +1,3 @@
+"""The elastic layer's settings: one parser per node, rendezvous and agent value, and the
+agent's frozen configuration built from them.
+"""
