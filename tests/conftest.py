@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.audit import (
+from tests.support.audit import (
     MARK_VAR,
     fds_opened_since,
     fork_server_pids,

@@ -199,7 +199,7 @@ def subreaper_demo(fifo: str) -> None:
                 await anyio.wait_readable(ready_fd)
                 seen += os.read(ready_fd, 4096)
             escaped = int(seen.split()[1])
-        from tests.waits import process_state
+        from tests.support.waits import process_state
 
         state = process_state(escaped) or "gone"
         print("escaped", escaped, state, flush=True)

@@ -18,8 +18,8 @@ import anyio
 
 import aioelastic
 from aioelastic._core.start._watchdog import watchdog
-from tests.audit import children_of, open_fds
 from tests.children import core
+from tests.support.audit import children_of, open_fds
 
 
 async def _supervise(fifo: str) -> None:

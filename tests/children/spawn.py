@@ -158,7 +158,7 @@ async def _launch_until_signal(directory: str, stubborn: bool, grace: float) -> 
     print(f"SIGINT restored in loop: {signal.getsignal(signal.SIGINT) is sigint_in_loop}")
     print(f"SIGTERM restored: {signal.getsignal(signal.SIGTERM) is _custom_sigterm}")
     pids = [int(p) for f in Path(directory).glob("*.pid") for p in f.read_text().split()]
-    from tests.waits import is_running
+    from tests.support.waits import is_running
 
     print(f"checked {len(pids)} pids, alive: {[p for p in pids if is_running(p)]}", flush=True)
     return status

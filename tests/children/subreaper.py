@@ -25,7 +25,7 @@ from typing import Any
 # Run as a script by the launcher, whose sys.path starts at this folder: the repository's
 # root is added so that the tests' one /proc reader is importable here too.
 sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
-from tests.waits import process_state
+from tests.support.waits import process_state
 
 #: The daemon's command line when ``HOW`` is ``exec`` (a test looks for it in the warning).
 DAEMON_ARGV = ["sleep", "1003"]

@@ -1,0 +1,168 @@
+"""Telling from ``/proc`` whether a process waits to read a terminal, for each way of reading.
+
+Each child gets a pseudo-terminal as stdin and a pipe as stdout, prints ``ready`` and then
+blocks: in a read of the terminal (in one of the calls a prompt ends in), or in something
+else. A reader is waited for (its read follows ``ready``); a non-reader is checked once it
+is asleep after ``ready``. Both waits look at ``/proc`` again and again, with a timeout:
+the kernel sends no event when a process starts to read, which is why the module exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from aioelastic._core.output import _tty_readers
+from aioelastic._core.output._tty_readers import reads_terminal, terminal_device
+from tests.support.waits import process_state
+
+pytestmark = pytest.mark.timeout(60)
+
+READERS = {
+    "read": "input()",
+    "readline-select": "import readline; input()",
+    "buffered-readline": "import sys; sys.stdin.readline()",
+    "reopened-dev-stdin": "open('/dev/stdin').readline()",
+    "select": "import select; select.select([0], [], [])",
+    "poll": "import select; p = select.poll(); p.register(0, select.POLLIN); p.poll()",
+    "epoll-event-loop": (
+        "import asyncio\n"
+        "async def main():\n"
+        "    asyncio.get_running_loop().add_reader(0, print)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())"
+    ),
+    "pdb": "import pdb; pdb.set_trace()",
+    "another-thread": (
+        "import sys, threading\n"
+        "t = threading.Thread(target=sys.stdin.readline)\n"
+        "t.start(); t.join()"
+    ),
+    "a-child-shell": "import subprocess; subprocess.run(['sh', '-c', 'read line'])",
+}
+
+NOT_READERS = {
+    "sleep": "import time; time.sleep(60)",
+    # The terminal in the set, but not for reading (for hang-ups only; writing it would
+    # not block at all).
+    "poll-without-pollin": (
+        "import select, os; r, w = os.pipe(); p = select.poll(); "
+        "p.register(r, select.POLLIN); p.register(0, 0); p.poll(60000)"
+    ),
+    "idle-event-loop": (
+        "import asyncio\nasync def main():\n    await asyncio.sleep(60)\nasyncio.run(main())"
+    ),
+}
+
+
+class Child:
+    """``python -c CODE`` with a fresh pty as stdin, after printing ``ready``."""
+
+    def __init__(self, code: str, stdin: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", f"print('ready', flush=True)\n{code}"],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=os.setpgrp,  # a group of its own (Popen's process_group= is 3.11+)
+        )
+        assert self.proc.stdout is not None
+        assert self.proc.stdout.readline() == b"ready\n"
+
+    def asleep(self, timeout: float = 30) -> None:
+        """Wait until its main thread sleeps (in the call that follows ``ready``)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process_state(self.proc.pid) == "S":
+                return
+            time.sleep(0.01)
+        pytest.fail(f"pid {self.proc.pid} never slept")
+
+    def close(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+        assert self.proc.stdout is not None
+        self.proc.stdout.close()
+
+
+@pytest.fixture
+def terminal() -> Iterator[tuple[int, int]]:
+    """A pty (master, slave) whose slave is the child's stdin."""
+    master, slave = os.openpty()
+    yield master, slave
+    os.close(master)
+    os.close(slave)
+
+
+def _eventually(check: bool | None, pid: int, device: int, timeout: float = 30) -> bool | None:
+    deadline = time.monotonic() + timeout
+    seen = reads_terminal(pid, device)
+    while seen is not check and time.monotonic() < deadline:
+        time.sleep(0.01)
+        seen = reads_terminal(pid, device)
+    return seen
+
+
+@pytest.mark.parametrize("code", READERS.values(), ids=READERS.keys())
+def test_a_process_waiting_to_read_its_terminal_is_seen(
+    code: str, terminal: tuple[int, int]
+) -> None:
+    _, slave = terminal
+    child = Child(code, slave)
+    try:
+        assert _eventually(True, child.proc.pid, terminal_device(slave)) is True
+    finally:
+        child.close()
+
+
+@pytest.mark.parametrize("code", NOT_READERS.values(), ids=NOT_READERS.keys())
+def test_a_process_asleep_in_anything_else_is_not_reading(
+    code: str, terminal: tuple[int, int]
+) -> None:
+    _, slave = terminal
+    child = Child(code, slave)
+    try:
+        child.asleep()
+        assert reads_terminal(child.proc.pid, terminal_device(slave)) is False
+    finally:
+        child.close()
+
+
+def test_a_read_of_another_terminal_does_not_count(terminal: tuple[int, int]) -> None:
+    _, slave = terminal
+    other_master, other_slave = os.openpty()
+    child = Child("input()", other_slave)
+    try:
+        # It reads, but the terminal asked about is not the one it reads.
+        assert _eventually(True, child.proc.pid, terminal_device(other_slave)) is True
+        assert reads_terminal(child.proc.pid, terminal_device(slave)) is False
+    finally:
+        child.close()
+        os.close(other_master)
+        os.close(other_slave)
+
+
+def test_a_process_that_is_gone_reads_nothing(terminal: tuple[int, int]) -> None:
+    _, slave = terminal
+    child = Child("pass", slave)
+    child.proc.wait(30)
+    try:
+        assert reads_terminal(child.proc.pid, terminal_device(slave)) is False
+    finally:
+        child.close()
+
+
+def test_on_an_unknown_machine_it_cannot_tell(
+    terminal: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, slave = terminal
+    monkeypatch.setattr(_tty_readers, "_CALLS", {})
+    assert reads_terminal(os.getpid(), terminal_device(slave)) is None

@@ -1,0 +1,473 @@
+"""Several nodes: ``aioelastic-run`` launchers on 127.0.0.1, 127.0.0.2, ... over c10d.
+
+Each launcher runs in a session of its own, as on separate machines. The workers block the
+way NCCL ranks do when a peer dies — in a wait that notices nothing — so whatever stops
+them is the launchers telling each other through the rendezvous store, not the collective
+backend. Every bound asserted is far above what is measured (about a second for a failure,
+``DEAD_AFTER`` plus a beat for a vanished node).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import pytest
+
+from aioelastic._elastic.channel._job_channel import DEAD_AFTER, STACKS_TIMEOUT
+from tests.support.cli_run import Launcher, wait_gone, with_env
+
+# Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
+# installed (CI's runs on 3.10 and 3.13).
+pytestmark = pytest.mark.torch
+
+JOB = str(Path(__file__).resolve().parents[2] / "children" / "multinode_job.py")
+READY = re.compile(r"ready rank=(\d+) restart=(\d+) pid=(\d+)")
+DONE = re.compile(r"done rank=(\d+) restart=(\d+)")
+#: What "every node ended or restarted in seconds" means here (measured: about 1 s for an
+#: end told through the store, about 6 s for a vanished node).
+BOUND = 10.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Job:
+    """``nodes`` launchers of one job, node i on 127.0.0.(i+1), node 0 hosting the store."""
+
+    def __init__(self, tmp_path: Path, nodes: int, *, mode: str = "hang", **env: str) -> None:
+        self.tmp_path = tmp_path
+        self.nodes = nodes
+        self.go = tmp_path / "go"
+        os.mkfifo(self.go)
+        self.mode = mode
+        self.env = with_env(**env)
+        self.endpoint = f"127.0.0.1:{free_port()}"
+        self.run_id = uuid.uuid4().hex[:8]
+        self.launchers: list[Launcher] = []
+
+    def start(
+        self,
+        *flags: str,
+        nnodes: str | None = None,
+        last_call: bool = True,
+        node_flags: Mapping[int, Sequence[str]] | None = None,
+    ) -> None:
+        """Start the launchers; ``last_call=False`` keeps torch's last call (30 s).
+
+        ``node_flags``: flags given to one node's launcher only, by node.
+        """
+        for node in range(self.nodes):
+            conf = f"join_timeout=60,is_host={int(node == 0)}"
+            if last_call:
+                conf += ",last_call_timeout=1"
+            self.launchers.append(
+                Launcher(
+                    [
+                        f"--nnodes={nnodes or self.nodes}",
+                        "--nproc-per-node=2",
+                        "--rdzv-backend=c10d",
+                        f"--rdzv-endpoint={self.endpoint}",
+                        f"--rdzv-id={self.run_id}",
+                        f"--rdzv-conf={conf}",
+                        f"--local-addr=127.0.0.{node + 1}",
+                        "--monitor-interval=0.1",
+                        *flags,
+                        *(node_flags or {}).get(node, ()),
+                        JOB,
+                        self.mode,
+                        str(self.tmp_path),
+                    ],
+                    self.env,
+                    new_session=True,
+                )
+            )
+
+    def ready(self, restart: int = 0, timeout: float = 90) -> dict[int, int]:
+        """Wait until every worker of attempt ``restart`` said ready; pids by rank."""
+        pids = {}
+        for node, launcher in enumerate(self.launchers):
+            pattern = re.compile(rf"ready rank=(\d+) restart={restart} pid=(\d+)")
+            for match in launcher.wait_for(pattern, 2, timeout):
+                pids[int(match.group(1))] = int(match.group(2))
+            assert len(pids) == 2 * (node + 1), pids
+        return pids
+
+    def trigger(self, timeout: float = 30) -> float:
+        """Let the failing rank fail (it reads ``go``); when that was, monotonic."""
+        opened = threading.Event()
+
+        def open_for_writing() -> None:
+            os.close(os.open(self.go, os.O_WRONLY))
+            opened.set()
+
+        thread = threading.Thread(target=open_for_writing, daemon=True)
+        thread.start()
+        assert opened.wait(timeout), "the failing rank never opened its FIFO"
+        return time.monotonic()
+
+    def finish(self, timeout: float = 90) -> list[tuple[int, float]]:
+        """Each launcher's exit status and when it was seen, in node order."""
+        ends = []
+        for launcher in self.launchers:
+            code = launcher.finish(timeout)
+            ends.append((code, time.monotonic()))
+        return ends
+
+    def kill_node(self, node: int, pids: dict[int, int]) -> float:
+        """SIGKILL node ``node``'s launcher and its workers, as when a machine is lost; when."""
+        killed_at = time.monotonic()
+        os.killpg(self.launchers[node].proc.pid, signal.SIGKILL)
+        for rank in (2 * node, 2 * node + 1):
+            os.kill(pids[rank], signal.SIGKILL)
+        return killed_at
+
+    def kill_all(self) -> None:
+        for launcher in self.launchers:
+            if launcher.proc.poll() is None:
+                os.killpg(launcher.proc.pid, signal.SIGKILL)
+            launcher.finish()
+
+
+@contextmanager
+def job(tmp_path: Path, nodes: int, **kwargs: str) -> Iterator[Job]:
+    """A `Job`, every launcher's session killed on the way out (only on a failed test)."""
+    running = Job(tmp_path, nodes, **kwargs)
+    with ExitStack() as stack:
+        stack.callback(running.kill_all)
+        yield running
+
+
+def _ended_within(ends: list[tuple[int, float]], since: float) -> list[float]:
+    return [round(seen - since, 2) for _, seen in ends]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["hang", "store"])
+def test_a_failed_rank_ends_every_node_although_its_peers_notice_nothing(
+    tmp_path: Path, mode: str
+) -> None:
+    with job(tmp_path, 3, mode=mode, TEST_FAIL_RANK="5") as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        failed_at = running.trigger()
+        ends = running.finish()
+        took = _ended_within(ends, failed_at)
+        assert all(t < BOUND for t in took), took
+        assert [code for code, _ in ends] == [7, 7, 7], [n.stderr for n in running.launchers]
+        assert wait_gone(list(pids.values()), 10) == []
+    for node in (0, 1):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 2 (127.0.0.3) failed: rank 5 exited 7" in stderr, stderr
+        assert "host      : 127.0.0.3" in stderr
+    assert "rank      : 5 (local_rank: 1)" in running.launchers[2].stderr
+    assert "host      : 127.0.0.3" in running.launchers[2].stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_after_a_failure_anywhere_every_node_restarts_with_the_jobs_count(
+    tmp_path: Path,
+) -> None:
+    with job(tmp_path, 3, TEST_FAIL_RANK="5") as running:
+        running.start("--max-restarts=1")
+        running.ready()
+        failed_at = running.trigger()
+        restarted = running.ready(restart=1)
+        assert len(restarted) == 6
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0, 0], [n.stderr for n in running.launchers]
+    # Every node restarted at once, not when its own ranks noticed (they never would).
+    assert all(t < 60 for t in _ended_within(ends, failed_at))
+    done = sorted(
+        (int(m.group(1)), int(m.group(2)))
+        for launcher in running.launchers
+        for m in map(DONE.search, launcher.out)
+        if m
+    )
+    assert done == [(rank, 1) for rank in range(6)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_the_restart_budget_is_the_jobs_not_each_nodes(tmp_path: Path) -> None:
+    # Node 2's rank 5 fails in every attempt; the job may restart twice in all, so every
+    # node runs exactly attempts 0, 1 and 2 (torch counts per node: pytorch#108158).
+    with job(tmp_path, 2, TEST_FAIL_RANK="3", TEST_FAIL_UNTIL="-1") as running:
+        running.start("--max-restarts=2")
+        for attempt in range(3):
+            running.ready(restart=attempt)
+            running.trigger()
+        ends = running.finish()
+        assert [code for code, _ in ends] == [7, 7]
+    for launcher in running.launchers:
+        attempts = sorted({int(m.group(2)) for m in map(READY.search, launcher.out) if m})
+        assert attempts == [0, 1, 2], launcher.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_launcher_stopped_by_sigterm_ends_the_attempt_on_every_node(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        stopped_at = time.monotonic()
+        running.launchers[1].proc.send_signal(signal.SIGTERM)
+        ends = running.finish()
+        took = _ended_within(ends, stopped_at)
+        assert all(t < BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    assert ends[1][0] == 128 + signal.SIGTERM
+    for node in (0, 2):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 1 (127.0.0.2) was stopped by SIGTERM" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        killed_at = running.kill_node(2, pids)
+        ends = running.finish()
+        took = _ended_within(ends[:2], killed_at)
+        assert all(t < BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    assert ends[2][0] == -signal.SIGKILL
+    for node in (0, 1):
+        stderr = running.launchers[node].stderr
+        assert "stopped: node 2 (127.0.0.3) vanished: no heartbeat" in stderr, stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("mode", ["hang", "gloo"])
+def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaults(
+    tmp_path: Path, mode: str
+) -> None:
+    # --nnodes 2:3, torch's keep-alive (15 s) and last call (30 s) left at their defaults:
+    # the survivors forget the lost node and close the new round as soon as both are in,
+    # instead of waiting out about 45 s. With gloo the survivors' ranks fail by themselves
+    # first (before the node counts as vanished): the lost node is found silent while
+    # the survivors rejoin.
+    with job(tmp_path, 3, mode=mode, TEST_HOLD_RANKS="4,5") as running:
+        running.start("--max-restarts=1", nnodes="2:3", last_call=False)
+        pids = running.ready()
+        victim = running.launchers[2]
+        killed_at = running.kill_node(2, pids)
+        running.launchers = running.launchers[:2]
+        again = running.ready(restart=1)
+        took = time.monotonic() - killed_at
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0], [n.stderr for n in running.launchers]
+        victim.finish()
+    assert took < BOUND, took
+    assert sorted(again) == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill_urg_on_any_launcher_prints_every_ranks_stack_grouped(tmp_path: Path) -> None:
+    with job(tmp_path, 3, TEST_ODD_RANK="4") as running:
+        running.start("--max-restarts=0", f"--log-dir={tmp_path / 'logs'}")
+        pids = running.ready()
+        asker = running.launchers[1]
+        asker.proc.send_signal(signal.SIGURG)
+        asker.wait_for_stderr("(also in ", timeout=30)
+        running.launchers[0].proc.send_signal(signal.SIGTERM)
+        running.finish()
+    report = asker.stderr[asker.stderr.index("stacks of 6 ranks on 3 nodes") :]
+    head = report.splitlines()
+    assert head[0] == "stacks of 6 ranks on 3 nodes, asked by node 1 (127.0.0.2)"
+    # The odd one out first, with its host and pid, then the rest as one group.
+    assert head[1].startswith(f"rank 4 (node 2 127.0.0.3 pid {pids[4]}): wait <- ")
+    assert "stuck_elsewhere multinode_job.py:" in head[1]
+    rest = next(line for line in head if line.startswith("ranks "))
+    assert rest.startswith("ranks 0-3,5 (nodes 0,1,2): wait <- wait ")
+    assert "main multinode_job.py:" in rest
+    for rank in (0, 1, 2, 3, 5):
+        host = f"127.0.0.{rank // 2 + 1}"
+        assert f"  rank {rank}: node {rank // 2} {host} pid {pids[rank]}" in report
+    written = list((tmp_path / "logs").glob("*/stacks-*.txt"))
+    assert len(written) == 1
+    assert written[0].read_text().startswith(head[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stall_on_one_node_reports_every_ranks_stack_across_the_job(tmp_path: Path) -> None:
+    """Every rank goes silent; node 1 alone has a stall timeout. Before its workers are
+    stopped it prints (and writes) one report: its ranks' last output, then the stacks of
+    every rank of every node, grouped, the odd one out (rank 4, on node 2) first."""
+    with job(tmp_path, 3, TEST_ODD_RANK="4") as running:
+        running.start(
+            "--max-restarts=0",
+            f"--log-dir={tmp_path / 'logs'}",
+            node_flags={1: ["--stall-timeout=3"]},
+        )
+        pids = running.ready()
+        stalled = running.launchers[1]
+        stalled.wait_for_stderr("(also in ", timeout=60)
+        ends = running.finish()
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    report = stalled.stderr[stalled.stderr.index("stalled: no worker wrote output") :]
+    lines = report.splitlines()
+    assert lines[0].endswith("(stall timeout 3s)")
+    for rank in (2, 3):  # node 1's own, by global rank
+        assert lines[rank - 1].startswith(f"  rank {rank}: last output "), lines[:3]
+        assert f"'ready rank={rank} restart=0 pid={pids[rank]}'" in lines[rank - 1]
+    assert lines[3] == "stacks of 6 ranks on 3 nodes, asked by node 1 (127.0.0.2)"
+    assert lines[4].startswith(f"rank 4 (node 2 127.0.0.3 pid {pids[4]}): wait <- ")
+    assert "stuck_elsewhere multinode_job.py:" in lines[4]
+    rest = next(line for line in lines if line.startswith("ranks "))
+    assert rest.startswith("ranks 0-3,5 (nodes 0,1,2): wait <- wait ")
+    for rank in (0, 1, 2, 3, 5):
+        host = f"127.0.0.{rank // 2 + 1}"
+        assert f"  rank {rank}: node {rank // 2} {host} pid {pids[rank]}" in report
+    assert "no answer" not in report
+    written = list((tmp_path / "logs").glob("*/stall-*.txt"))
+    assert len(written) == 1
+    assert written[0].read_text().startswith(lines[0])
+    # The other nodes did not stall: they were stopped because node 1 ended the attempt.
+    for other in (0, 2):
+        assert (
+            "stalled: no worker wrote output"
+            not in running.launchers[other].stderr.split("Root Cause")[0]
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_nodes_that_stall_together_still_give_a_report_of_every_rank(tmp_path: Path) -> None:
+    """Every node stalls at once, each asking the others for their stacks while they ask
+    it: each keeps answering while it waits, so the first to finish has every rank (a node
+    that waited for its answers without beating answered nobody: three reports of one node
+    each, after 10 s)."""
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0", "--stall-timeout=3")
+        running.ready()
+        ends = running.finish()
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    stderr = [launcher.stderr for launcher in running.launchers]
+    full = [err for err in stderr if "stacks of 6 ranks on 3 nodes" in err]
+    assert full, stderr
+    assert "ranks 0-5 (nodes 0,1,2): wait <- wait " in full[0]
+    assert not any("no answer" in err for err in stderr), stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_global_ranks_filter_shows_those_ranks_on_whichever_node_runs_them(
+    tmp_path: Path,
+) -> None:
+    with job(tmp_path, 2, TEST_FAIL_UNTIL="0") as running:
+        running.start("--ranks-filter=1-2", "--tee=3")
+        ends = running.finish()
+        assert [code for code, _ in ends] == [0, 0], [n.stderr for n in running.launchers]
+    shown = [
+        sorted(int(m.group(1)) for m in map(DONE.search, n.out) if m) for n in running.launchers
+    ]
+    assert shown == [[1], [2]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: Path) -> None:
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=1")
+        pids = running.ready()
+        killed_at = running.kill_node(0, pids)
+        ends = running.finish()
+        took = _ended_within(ends[1:], killed_at)
+        # c10d's store refuses once its launcher is gone: no election to wait out, so the
+        # others end as fast as after any failure (etcd's is given 10 s; see test_etcd).
+        assert all(t < BOUND for t in took), took
+        assert wait_gone(list(pids.values()), 10) == []
+    for node in (1, 2):
+        launcher = running.launchers[node]
+        assert ends[node][0] == 1, launcher.stderr
+        assert "lost the rendezvous store" in launcher.stderr, launcher.stderr
+        assert "a single point of failure: use --rdzv-backend etcd-v2" in launcher.stderr
+
+
+# -- nodes that never answer -------------------------------------------------------------
+
+
+@contextmanager
+def stopped(launcher: Launcher) -> Iterator[None]:
+    """``launcher`` SIGSTOPped (a wedged machine: it answers nothing), continued on exit."""
+    os.kill(launcher.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(launcher.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_that_never_answers_is_named_and_the_report_still_comes(tmp_path: Path) -> None:
+    """Node 2's launcher is stopped: it neither answers the stack request nor beats, so
+    node 1, which watches it, ends the attempt as vanished while node 0's request waits.
+    Node 0 still prints (and writes) the report of the ranks that answered, naming node 2,
+    within STACKS_TIMEOUT and a margin."""
+    with job(tmp_path, 3) as running:
+        running.start("--max-restarts=0", f"--log-dir={tmp_path / 'logs'}")
+        pids = running.ready()
+        asker = running.launchers[0]
+        with stopped(running.launchers[2]):
+            asked_at = time.monotonic()
+            asker.proc.send_signal(signal.SIGURG)
+            asker.wait_for_stderr("(also in ", timeout=60)
+            took = time.monotonic() - asked_at
+        ends = running.finish()
+        assert wait_gone(list(pids.values()), 10) == []
+    assert took < STACKS_TIMEOUT + BOUND, took
+    assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
+    report = asker.stderr[asker.stderr.index("stacks of ") :]
+    head = report.splitlines()
+    assert head[0] == "stacks of 4 ranks on 2 nodes, asked by node 0 (127.0.0.1)", report
+    assert head[1] == "node 2 (127.0.0.3): no answer"
+    for rank in range(4):
+        assert f"  rank {rank}: node {rank // 2} 127.0.0.{rank // 2 + 1} pid {pids[rank]}" in report
+    (written,) = (tmp_path / "logs").glob("*/stacks-*.txt")
+    assert written.read_text().startswith(head[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_node_whose_peer_never_hears_of_the_end_lingers_no_longer_than_its_bound(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 fails on node 0, which hosts the store: before leaving, node 0 waits until
+    every other node heard why (its leaving takes the store away). Node 1 hears; node 2,
+    stopped, never does. Nodes 0 and 1 still end within DEAD_AFTER (the linger's bound)
+    and a margin, node 1 with the root cause; node 2, continued, finds the store gone."""
+    with job(tmp_path, 3, TEST_FAIL_RANK="1") as running:
+        running.start("--max-restarts=0")
+        pids = running.ready()
+        with stopped(running.launchers[2]):
+            failed_at = running.trigger()
+            ends = [(launcher.finish(DEAD_AFTER + BOUND + 30), time.monotonic())
+                    for launcher in running.launchers[:2]]  # fmt: skip
+        ends.append((running.launchers[2].finish(), time.monotonic()))
+        assert wait_gone(list(pids.values()), 10) == []
+    took = _ended_within(ends[:2], failed_at)
+    assert all(t < DEAD_AFTER + BOUND for t in took), took
+    assert [code for code, _ in ends[:2]] == [7, 7], [n.stderr for n in running.launchers]
+    assert "rank      : 1 (local_rank: 1)" in running.launchers[0].stderr
+    heard = running.launchers[1].stderr
+    assert "stopped: node 0 (127.0.0.1) failed: rank 1 exited 7" in heard, heard
+    assert ends[2][0] != 0
