@@ -120,8 +120,9 @@ def test_the_core_needs_no_other_layer() -> None:
 #: The rooms of ``_core``, lowest first, each a sub-package (``aioelastic/_core/<room>/``,
 #: its ``__init__`` saying what it holds): a module imports only from its own room or a
 #: lower one, so the order a worker's life is built in (the process and its values, the
-#: async utilities, what runs in the child, reports, starting processes and seeing them exit, output, the worker
-#: record and its teardown, hangs, the group) shows in the imports and stays that way.
+#: async utilities, what runs in the child, reports, starting processes and seeing them exit,
+#: output, the worker record and its teardown, hangs, the group) shows in the imports and
+#: stays that way.
 CORE_ROOMS = [
     "process",
     "aio",
