@@ -38,6 +38,9 @@ from tests.support.audit import (
     zombie_children,
 )
 
+#: Fixtures that more than one folder's tests ask for by name.
+pytest_plugins = ["tests.support.torch_fixtures"]
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip the tests marked ``torch`` where torch is not installed (CI's Python 3.10 run)."""

@@ -1,26 +1,18 @@
-"""The elastic agent, for real: workers, restarts, signals, and agents on several "nodes".
+"""The elastic agent, for real, on one node: workers, restarts, signals, stores.
 
-Single-node tests run the agent in this process. Multi-node tests run each agent as its own
-process (``python -m tests.children.agent agent``), c10d on 127.0.0.1, whose workers use
-gloo.
+The agent runs in this process. Agents on several nodes, each its own process, are in
+tests/elastic/agent/test_agents_on_nodes.py; ``elastic_launch`` over the agent in
+tests/elastic/launch/test_elastic_launch.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import os
 import random
-import shutil
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +20,14 @@ import anyio
 import anyio.abc
 import pytest
 
-torch_distributed = pytest.importorskip("torch.distributed")
+pytest.importorskip("torch.distributed")
 
-from aioelastic._core.aio._signals import SignalReceived  # noqa: E402
-from aioelastic._core.reports._failures import ChildFailedError  # noqa: E402
-from aioelastic._core.start import _forkserver  # noqa: E402
-from aioelastic._elastic.agent._agent import LocalElasticAgent  # noqa: E402
-from aioelastic._elastic.agent._types import RestartBackoff, RunResult, WorkerSpec, WorkerState  # noqa: E402
-from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch  # noqa: E402
-from aioelastic._elastic.observe._events import (  # noqa: E402
+from aioelastic._core.aio._signals import SignalReceived
+from aioelastic._core.start import _forkserver
+from aioelastic._elastic.agent._agent import LocalElasticAgent
+from aioelastic._elastic.agent._types import RestartBackoff, WorkerSpec, WorkerState
+from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch
+from aioelastic._elastic.observe._events import (
     AgentEvent,
     FailureReason,
     GroupRestarting,
@@ -47,124 +38,14 @@ from aioelastic._elastic.observe._events import (  # noqa: E402
     WorkerFailed,
     WorkersStarted,
 )
-from tests.children import agent as children  # noqa: E402
-from tests.support.waits import wait_gone  # noqa: E402
+from tests.children import agent as children
+from tests.support.agents import FUNCTION_START, ReadyChannel, kinds, run_collecting, seen_files
+from tests.support.ports import free_port
 
-pytestmark = pytest.mark.torch
-
-#: Start method for function workers that need no warm server.
-FUNCTION_START = "spawn"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_store_warmed() -> None:
-    """torch opens a process-wide pipe with the first TCPStore and keeps it for good.
-
-    Create it before any test's file-descriptor snapshot, so the leak check sees only what
-    a test itself leaves open.
-    """
-    store = torch_distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    del store
-
-
-@pytest.fixture(autouse=True)
-def _collect_stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A clean environment for the agent; free dropped TCPStores before the leak check."""
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv("TORCHELASTIC_SIGNALS_TO_HANDLE", raising=False)
-    yield
-    gc.collect()
-
-
-@pytest.fixture
-def out_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "out"
-    path.mkdir()
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-async def run_collecting(
-    agent: LocalElasticAgent,
-    during: Callable[[list[AgentEvent]], Awaitable[None]] | None = None,
-) -> tuple[RunResult, list[AgentEvent]]:
-    """Run the agent while collecting its events (and running ``during`` alongside).
-
-    An exception from ``agent.run()`` is re-raised as is, after every event was collected.
-    """
-    events: list[AgentEvent] = []
-    stream = agent.events()
-    error: Exception | None = None
-
-    async def collect() -> None:
-        async for event in stream:
-            events.append(event)
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(collect)
-        async with anyio.create_task_group() as side:
-            if during is not None:
-                side.start_soon(during, events)
-            try:
-                result = await agent.run()
-            except Exception as e:
-                error = e
-            side.cancel_scope.cancel()
-    if error is not None:
-        raise error
-    return result, events
-
-
-def kinds(events: list[AgentEvent]) -> list[str]:
-    return [e.kind for e in events]
-
-
-def seen_files(out_dir: Path, tag: str = "seen") -> dict[tuple[int, int], dict[str, Any]]:
-    """``{(restart, rank): data}`` of what workers recorded."""
-    found = {}
-    for path in out_dir.glob(f"{tag}-*-*.json"):
-        _, restart, rank = path.stem.rsplit("-", 2)
-        found[(int(restart), int(rank))] = json.loads(path.read_text())
-    return found
-
-
-class ReadyChannel:
-    """A Unix socket workers connect to when they are running user code."""
-
-    def __init__(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="aioe-agent-")
-        self.address = os.path.join(self._dir, "ready.sock")
-        self._listener: anyio.abc.SocketListener | None = None
-
-    async def __aenter__(self) -> ReadyChannel:
-        self._listener = await anyio.create_unix_listener(self.address)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self._listener is not None
-        await self._listener.aclose()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    async def wait(self, count: int, timeout: float = 60) -> list[dict[str, Any]]:
-        """The messages of the next ``count`` workers to say they are ready."""
-        assert self._listener is not None
-        messages = []
-        with anyio.fail_after(timeout):
-            for _ in range(count):
-                async with await self._listener.accept() as stream:
-                    data = b""
-                    while not data.endswith(b"\n"):
-                        data += await stream.receive()
-                messages.append(json.loads(data))
-        return messages
-
-
-# -- one node --------------------------------------------------------------------------
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.usefixtures("torch_store_warmed", "agent_env", "collect_stores"),
+]
 
 
 @pytest.mark.asyncio
@@ -540,64 +421,6 @@ async def test_misuse_is_refused_before_anything_starts(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.timeout(60)
-async def test_elastic_launch_returns_by_global_rank_or_raises_child_failed(
-    out_dir: Path,
-) -> None:
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0, start_method=FUNCTION_START
-    )
-    launch = elastic_launch(config, children.report)
-    stream = launch.events()
-    outputs = await launch(str(out_dir))
-    assert sorted(outputs) == [0, 1]
-    assert outputs[1]["RANK"] == "1"
-    assert outputs[0]["ROLE_NAME"] == "default_role"  # torch's LaunchConfig default
-    assert outputs[0]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-    assert [e.kind async for e in stream][-1] == "run_succeeded"
-
-    failing = elastic_launch(config, children.fail_until)
-    with pytest.raises(ChildFailedError) as caught:
-        await failing(str(out_dir), 99, 1, 4)
-    assert list(caught.value.failures) == [1]
-    assert caught.value.failures[1].exitcode == 4
-    assert caught.value.name == "fail_until"
-
-
-@pytest.mark.asyncio
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("backend", ["c10d", "static"])
-async def test_the_same_config_launches_again_in_the_same_process(
-    out_dir: Path, backend: str
-) -> None:
-    # A fixed endpoint and run id: the second launch must find the port free and a fresh
-    # rendezvous, not the first launch's closed one (the same after a failed launch).
-    endpoint = f"127.0.0.1:{free_port()}"
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=2,
-        max_restarts=0,
-        run_id="again",
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        # static reads no join_timeout (refused for it, as every key a backend never reads).
-        rdzv_configs={"join_timeout": 30} if backend == "c10d" else {},
-        start_method=FUNCTION_START,
-    )
-    started = time.monotonic()
-    with pytest.raises(ChildFailedError):
-        await elastic_launch(config, children.fail_until)(str(out_dir), 99, 1, 4)
-    for _ in range(2):
-        outputs = await elastic_launch(config, children.report)(str(out_dir))
-        assert sorted(outputs) == [0, 1]
-    assert time.monotonic() - started < 90
-    host, port = endpoint.rsplit(":", 1)
-    with socket.socket() as s:  # nothing of the launches listens there any more
-        s.bind((host, int(port)))
-
-
-@pytest.mark.asyncio
-@pytest.mark.timeout(60)
 async def test_without_store_sharing_each_attempt_gets_a_new_worker_port(
     out_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -617,31 +440,6 @@ async def test_without_store_sharing_each_attempt_gets_a_new_worker_port(
     rounds = [e for e in events if isinstance(e, RendezvousCompleted)]
     assert len({e.master_port for e in rounds}) == 2
     assert {e.run_id for e in events} == {"job-9"}
-
-
-def test_one_node_without_store_sharing_keeps_torch_out_of_the_launcher(out_dir: Path) -> None:
-    code = (
-        "import asyncio, json, sys\n"
-        "from aioelastic._elastic.launch._elastic_launch import LaunchConfig, elastic_launch\n"
-        "from tests.children.agent import report\n"
-        "config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, max_restarts=0)\n"
-        "out = asyncio.run(elastic_launch(config, report)(sys.argv[1]))\n"
-        "print(json.dumps({'torch': 'torch' in sys.modules, 'out': out}))\n"
-    )
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(out_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout.splitlines()[-1])
-    assert report["torch"] is False
-    assert sorted(report["out"]) == ["0", "1"]
-    assert report["out"]["1"]["TORCHELASTIC_USE_AGENT_STORE"] == "False"
 
 
 @pytest.mark.slow
@@ -671,213 +469,6 @@ async def test_restarted_gloo_workers_get_a_fresh_store(
     assert all(v["TORCHELASTIC_RESTART_COUNT"] == "1" for v in result.return_values.values())
     ports = {e.master_port for e in events if isinstance(e, RendezvousCompleted)}
     assert len(ports) == 2
-
-
-# -- several nodes ---------------------------------------------------------------------
-
-
-class AgentProcess:
-    """One node: ``python -m tests.children.agent agent ...``, its events read as they come."""
-
-    def __init__(self, process: anyio.abc.Process, name: str) -> None:
-        self.process = process
-        self.name = name
-        self.events: list[dict[str, Any]] = []
-        self.result: dict[str, Any] | None = None
-        self.output: list[str] = []
-        self._changed = anyio.Event()
-
-    async def read(self) -> None:
-        assert self.process.stdout is not None
-        buffer = b""
-        async for chunk in self.process.stdout:
-            buffer += chunk
-            *lines, buffer = buffer.split(b"\n")
-            for raw in lines:
-                line = raw.decode(errors="replace")
-                self.output.append(line)
-                if line.startswith("EVENT "):
-                    self.events.append(json.loads(line[6:]))
-                elif line.startswith("RESULT "):
-                    self.result = json.loads(line[7:])
-            self._changed.set()
-            self._changed = anyio.Event()
-        self._changed.set()
-
-    async def event(self, kind: str, **match: Any) -> dict[str, Any]:
-        """Wait for an event of ``kind`` whose fields equal ``match``."""
-        while True:
-            for event in self.events:
-                if event["kind"] == kind and all(event.get(k) == v for k, v in match.items()):
-                    return event
-            if self.process.returncode is not None:
-                raise AssertionError(
-                    f"agent {self.name} exited {self.process.returncode} without {kind} "
-                    f"{match}:\n" + "\n".join(self.output[-40:])
-                )
-            await self._changed.wait()
-
-
-@contextlib.asynccontextmanager
-async def agents(
-    tmp_path: Path, ready: ReadyChannel, *specs: dict[str, Any]
-) -> AsyncIterator[tuple[list[AgentProcess], Callable[[dict[str, Any]], Awaitable[AgentProcess]]]]:
-    """Start agent processes; another can be added later with the returned function.
-
-    Their workers say ready on ``ready``. Leaving the block waits for every agent to exit.
-    """
-    endpoint = f"127.0.0.1:{free_port()}"
-    run_id = uuid.uuid4().hex[:8]
-    started: list[AgentProcess] = []
-    async with anyio.create_task_group() as tg:
-
-        async def start(spec: dict[str, Any]) -> AgentProcess:
-            name = spec["name"]
-            argv = [
-                sys.executable,
-                "-m",
-                "tests.children.agent",
-                "agent",
-                "--nnodes",
-                spec.get("nnodes", "2"),
-                "--nproc",
-                "2",
-                "--endpoint",
-                endpoint,
-                "--run-id",
-                run_id,
-                "--local-addr",
-                spec["local_addr"],
-                "--last-call",
-                str(spec.get("last_call", 1)),
-                "--max-restarts",
-                str(spec.get("max_restarts", 0)),
-                "--scenario",
-                spec["scenario"],
-                "--out",
-                str(spec["out"]),
-                "--log-dir",
-                str(tmp_path / f"logs-{name}"),
-            ]
-            if spec.get("host"):
-                argv.append("--host")
-            env = {**os.environ, "TEST_NODE": spec.get("node", name), "TEST_READY": ready.address}
-            process = await anyio.open_process(argv, env=env, stderr=None)
-            agent = AgentProcess(process, name)
-            started.append(agent)
-            tg.start_soon(agent.read)
-            return agent
-
-        for spec in specs:
-            await start(spec)
-        try:
-            yield started, start
-            with anyio.fail_after(90):
-                for agent in started:
-                    await agent.process.wait()
-        finally:
-            with anyio.CancelScope(shield=True):
-                for agent in started:
-                    if agent.process.returncode is None:
-                        agent.process.kill()
-                    await agent.process.wait()
-                    await agent.process.aclose()
-
-
-@pytest.mark.slow
-@pytest.mark.asyncio
-@pytest.mark.timeout(120)
-async def test_two_agents_rendezvous_over_c10d_and_all_reduce(
-    tmp_path: Path, out_dir: Path
-) -> None:
-    node = {"nnodes": "2", "scenario": "once", "out": out_dir, "last_call": 1}
-    async with (
-        ReadyChannel() as ready,
-        agents(
-            tmp_path,
-            ready,
-            {**node, "name": "a", "local_addr": "127.0.0.1", "host": True},
-            {**node, "name": "b", "local_addr": "127.0.0.2"},
-        ) as (nodes, _),
-    ):
-        pass
-    for agent in nodes:
-        assert agent.process.returncode == 0, "\n".join(agent.output[-40:])
-    results = seen_files(out_dir, "result-4")
-    assert sorted(rank for _, rank in results) == [0, 1, 2, 3]
-    assert all(r["WORLD_SIZE"] == "4" and r["sum"] == 6.0 for r in results.values())
-    assert nodes[0].result is not None
-    assert nodes[1].result is not None
-    assert sorted(nodes[0].result) == ["0", "1"]  # 127.0.0.1 sorts first: group rank 0
-    assert sorted(nodes[1].result) == ["2", "3"]
-
-
-@pytest.mark.slow
-@pytest.mark.asyncio
-@pytest.mark.timeout(120)
-async def test_a_node_joining_restarts_the_group_at_the_larger_size(
-    tmp_path: Path, out_dir: Path
-) -> None:
-    node = {"nnodes": "1:2", "scenario": "grow", "out": out_dir, "last_call": 1}
-    async with (
-        ReadyChannel() as ready,
-        agents(tmp_path, ready, {**node, "name": "a", "local_addr": "127.0.0.1", "host": True}) as (
-            nodes,
-            start,
-        ),
-    ):
-        first = nodes[0]
-        await ready.wait(2)  # both workers run at world size 2
-        assert first.events[0]["world_size"] == 2
-        second = await start({**node, "name": "b", "local_addr": "127.0.0.2"})
-        await second.event("rendezvous_completed", world_size=4)
-    for agent in nodes:
-        assert agent.process.returncode == 0, "\n".join(agent.output[-40:])
-    restarts = [e for e in first.events if e["kind"] == "group_restarting"]
-    assert [(e["reason"], e["restart_count"], e["delay"]) for e in restarts] == [
-        ("membership_change", 0, 0.0)
-    ]
-    assert len(seen_files(out_dir, "small")) == 2
-    results = seen_files(out_dir, "result-4")
-    assert sorted(rank for _, rank in results) == [0, 1, 2, 3]
-    assert all(r["sum"] == 6.0 and r["TORCHELASTIC_RESTART_COUNT"] == "0" for r in results.values())
-    # The membership change got its own log directory; the first attempt's is kept.
-    assert sorted(p.name for p in (tmp_path / "logs-a").iterdir()) == ["attempt_0", "attempt_1"]
-
-
-@pytest.mark.slow
-@pytest.mark.asyncio
-@pytest.mark.timeout(150)
-async def test_a_sigkilled_agent_takes_its_workers_and_the_survivor_shrinks(
-    tmp_path: Path, out_dir: Path
-) -> None:
-    node = {"nnodes": "1:2", "scenario": "lose_peer", "out": out_dir, "max_restarts": 2}
-    async with (
-        ReadyChannel() as ready,
-        agents(
-            tmp_path,
-            ready,
-            {**node, "name": "a", "local_addr": "127.0.0.1", "host": True, "last_call": 2},
-            {**node, "name": "b", "local_addr": "127.0.0.2", "node": "victim", "last_call": 2},
-        ) as (nodes, _),
-    ):
-        survivor, victim = nodes
-        await ready.wait(4, timeout=90)  # all four all_reduced once at world size 4
-        started = [e for e in victim.events if e["kind"] == "workers_started"][-1]
-        victim_workers = [int(pid) for pid in started["pids"].values()]
-        victim.process.send_signal(signal.SIGKILL)
-        await victim.process.wait()
-        for pid in victim_workers:
-            await wait_gone(pid)
-        await survivor.event("rendezvous_completed", world_size=2)
-    assert survivor.process.returncode == 0, "\n".join(survivor.output[-40:])
-    assert victim.process.returncode == -signal.SIGKILL
-    restarts = [e for e in survivor.events if e["kind"] == "group_restarting"]
-    assert restarts
-    assert restarts[0]["reason"] == "worker_failed"
-    results = seen_files(out_dir, "result-2")
-    assert sorted(rank for _, rank in results) == [0, 1]
-    assert all(r["sum"] == 1.0 for r in results.values())
 
 
 @pytest.mark.asyncio
