@@ -18,10 +18,8 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
-#: The repository root: the launcher runs there, so ``-m tests.children...`` resolves.
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
 
 
 class Launcher:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from aioelastic._core.reports._failures import ProcessFailure
-from tests.support.cli_run import REPO
+from tests.support.paths import REPO
 
 #: The child program that writes, reads and sabotages error files.
 ERRORS_CHILD = [sys.executable, "-m", "tests.children.errors"]

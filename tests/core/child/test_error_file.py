@@ -20,8 +20,8 @@ import pytest
 from aioelastic._core.child._error_file import read_error_file, write_error_file
 from aioelastic._core.reports._failures import ChildFailedError, ProcessFailure
 from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
-from tests.support.cli_run import REPO
 from tests.support.failures import ERRORS_CHILD, caught, run_errors_child
+from tests.support.paths import REPO
 
 # --- written and read back ----------------------------------------------------------------
 

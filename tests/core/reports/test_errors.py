@@ -25,8 +25,8 @@ from aioelastic._core.child._error_file import read_error_file, write_error_file
 from aioelastic._core.reports._failures import ChildFailedError, ProcessFailure
 from aioelastic._core.reports._record import record
 from aioelastic._core.reports._results import RunProcsResult
-from tests.support.cli_run import REPO
 from tests.support.failures import caught, make_failure, run_errors_child
+from tests.support.paths import REPO
 
 # --- ProcessFailure -----------------------------------------------------------------------
 
