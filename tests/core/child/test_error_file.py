@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -17,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+import aioelastic
 from aioelastic._core.child._error_file import read_error_file, write_error_file
 from aioelastic._core.reports._failures import ChildFailedError, ProcessFailure
+from tests.children import soak
 from tests.children.errors import BAD_FILES, make_bad_error_file, sabotage
 from tests.support.failures import ERRORS_CHILD, caught, run_errors_child
 from tests.support.paths import REPO
+from tests.support.waits import ReadyFifo
 
 # --- written and read back ----------------------------------------------------------------
 
@@ -400,3 +404,38 @@ def test_cli_with_a_sabotaged_error_file_exits_with_the_worker_code(
     assert len(error_files) == 1
     assert _expected_message(kind, error_files[0]) in proc.stderr
     assert "Traceback" not in proc.stderr.split("FAILED")[0]
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_worker_killed_while_writing_its_error_file_leaves_no_temp_file(
+    tmp_path: Path,
+) -> None:
+    """The soak's "temp files" finding, made deterministic.
+
+    Two ways a worker dies while recording an error: the supervisor's SIGTERM/SIGKILL
+    of a failed group reaching a sibling that is raising too, or a close() with SIGINT
+    (KeyboardInterrupt is recorded) followed by SIGKILL. The worker here stops right
+    before it publishes the file, and is SIGKILLed there.
+    """
+    fifo = ReadyFifo(tmp_path)
+    log_dir = tmp_path / "logs"
+    try:
+        async with aioelastic.start_processes(
+            "errfile",
+            soak.stop_while_publishing_error_file,
+            {0: (str(fifo.path),)},
+            {0: {}},
+            log_dir=log_dir,
+            start_method="fork",
+        ) as ctx:
+            word, pid = (await fifo.lines(1))[0].split()
+            assert word == "publishing"
+            os.kill(int(pid), signal.SIGKILL)
+            result = await ctx.wait()
+    finally:
+        fifo.close()
+    assert result is not None
+    assert result.failures[0].exitcode == -signal.SIGKILL
+    left = sorted(p.name for p in (log_dir / "0").iterdir())
+    assert left == [], f"left in the worker's log dir: {left}"

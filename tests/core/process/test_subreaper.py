@@ -16,13 +16,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from aioelastic._core.process import _platform
 from aioelastic._core.process._runtime import runtime
 from aioelastic._core.process._subreaper import LINEAGE_ENV, lineage_env
 from tests.children import subreaper as child
 from tests.support.cli_run import REPO, launch, wait_gone
+from tests.support.soak_rounds import Seen, SoakFifo
 
 CLI_SCRIPT = str(REPO / "tests" / "children" / "cli.py")
 SUBREAPER_SCRIPT = str(REPO / "tests" / "children" / "subreaper.py")
@@ -187,3 +190,54 @@ def test_proc_readers_see_the_executed_environment_and_command_line() -> None:
     finally:
         proc.communicate(b"\n")
     assert _platform.exec_environ_value(proc.pid, "MARK") is None
+
+
+@pytest.mark.asyncio
+async def test_default_mode_cannot_stop_a_descendant_in_its_own_session(tmp_path: Path) -> None:
+    """The documented limit (README "Limits"): without subreaper mode a ``setsid`` escapes.
+
+    Run in a supervisor of its own that is a subreaper for the kernel only, so the escaped
+    process is re-parented to it: aioelastic's default mode does not stop it at close(),
+    the supervisor reports it alive, then kills and reaps it itself. The soak's subreaper
+    rounds show the same descendants stopped when subreaper mode is on.
+    """
+    fifo = SoakFifo(tmp_path)
+    plan = {
+        "rank": 0,
+        "kind": "hang",
+        "fifo": str(fifo.path),
+        "block": "event",
+        "children": ["setsid", "daemon"],
+        "output": {},
+    }
+    config = {
+        "plans": [plan],
+        "method": "fork",
+        "log_dir": str(tmp_path / "logs"),
+        "redirects": [0],
+        "grace": 0.5,
+        "kernel_subreaper_only": True,
+    }
+    seen = Seen()
+    try:
+        async with await anyio.open_process(
+            [sys.executable, "-m", "tests.children.soak", "supervise", json.dumps(config)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
+        ) as proc:
+            assert proc.stdin is not None
+            assert proc.stdout is not None
+            out = BufferedByteReceiveStream(proc.stdout)
+            await out.receive_until(b"\n", 1 << 20)
+            await seen.until_ready(fifo, [plan], proc.wait)
+            await proc.stdin.send(b"close\n")
+            line = await out.receive_until(b"\n", 1 << 20)
+            assert await proc.wait() == 0
+    finally:
+        fifo.close()
+        seen.close()
+    report = json.loads(line.split(b" ", 1)[1])
+    assert sorted(report["escaped_alive"]) == sorted(seen.grandchildren)
+    assert len(seen.grandchildren) == 2
+    assert report["zombies"] == []
