@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import traceback
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,6 +26,7 @@ from aioelastic._core.process import _platform
 from aioelastic._core.process._platform import children_of
 from aioelastic._core.start._watchdog import watchdog
 from tests.children import core
+from tests.support.waits import ReadyFifo
 
 
 def _interrupt() -> None:
@@ -135,10 +137,8 @@ async def teardown_without_fds(directory: str, workers: str = "running") -> None
     what was left: live or unreaped children and processes of the workers' groups.
     """
     then_exit = workers == "exited"
-    fifo = os.path.join(directory, "ready.fifo")
-    os.mkfifo(fifo)
-    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    keep = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    ready = ReadyFifo(Path(directory))
+    fifo = str(ready.path)
     ctx = aioelastic.start_processes(
         "nofds",
         grandchild_ignoring_term,
@@ -151,11 +151,7 @@ async def teardown_without_fds(directory: str, workers: str = "running") -> None
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     outcome = "closed"
     async with ctx:
-        seen = b""
-        with anyio.fail_after(30):
-            while seen.count(b"\n") < 2:
-                await anyio.wait_readable(reader)
-                seen += os.read(reader, 4096)
+        await ready.lines(2, timeout=30)
         pgids = set(ctx.pids().values())
         if then_exit:
             with anyio.fail_after(30):
@@ -172,8 +168,7 @@ async def teardown_without_fds(directory: str, workers: str = "running") -> None
             outcome = f"{type(exc).__name__}: {exc}"
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    os.close(reader)
-    os.close(keep)
+    ready.close()
     members = _platform.live_group_members(pgids)
     left = set(children_of(os.getpid())) - {watchdog.pid}
     print(

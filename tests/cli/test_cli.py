@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,12 @@ import pytest
 
 from aioelastic._core.output._std import Std
 from aioelastic._elastic.agent._types import RestartBackoff
-from tests.support.cli_run import REPO, Launcher, launch, launcher, wait_gone, with_env
+from tests.support.cli_run import Launcher, launch, launcher, with_env
+from tests.support.paths import CHILDREN, REPO
+from tests.support.ports import free_port
+from tests.support.waits import wait_all_gone
 
-SCRIPT = str(REPO / "tests" / "children" / "cli.py")
+SCRIPT = str(CHILDREN / "cli.py")
 READY = re.compile(r"ready rank=(\d+) pid=(\d+)(?: child=(\d+))?")
 
 
@@ -521,7 +523,7 @@ def test_sigterm_stops_workers_and_their_children_within_the_shutdown_timeout() 
         run.proc.send_signal(signal.SIGTERM)
         assert run.finish() == 128 + signal.SIGTERM
         took = time.monotonic() - started
-    assert wait_gone(pids, 0) == []
+    assert wait_all_gone(pids, 0) == []
     # The children ignore SIGTERM, so they hold their groups for the whole grace period.
     assert 1.0 <= took < 15, took
     assert "stopped by SIGTERM" in run.stderr
@@ -545,7 +547,7 @@ def test_stop_leader_first_lets_a_trainer_checkpoint_with_its_helper_on_sigterm(
         assert run.finish() == 128 + signal.SIGTERM, run.stderr
         took = time.monotonic() - started
     assert (tmp_path / "rank0").read_text() == saved
-    assert wait_gone(pids, 0) == []
+    assert wait_all_gone(pids, 0) == []
     assert took < 20, took  # far from the 30 s grace period: nothing waited it out
 
 
@@ -559,7 +561,7 @@ def test_a_worker_child_that_left_its_process_group_is_stopped_too() -> None:
         assert run.finish() == 128 + signal.SIGTERM, run.stderr
     # Orphaned when their worker stopped, re-parented to the launcher (a subreaper), and
     # swept by its teardown.
-    assert wait_gone(children, 0) == []
+    assert wait_all_gone(children, 0) == []
 
 
 @pytest.mark.timeout(60)
@@ -576,7 +578,7 @@ def test_sigint_exits_130_and_a_second_signal_kills_at_once() -> None:
         # signal's SIGKILL ends them, long before the 300 s grace period.
         run.proc.send_signal(signal.SIGTERM)
         assert run.finish(timeout=30) == 128 + signal.SIGINT
-    assert wait_gone(pids, 0) == []
+    assert wait_all_gone(pids, 0) == []
 
 
 @pytest.mark.timeout(60)
@@ -592,7 +594,7 @@ def test_three_quick_sigterms_leave_nothing_alive() -> None:
         for _ in range(3):
             run.proc.send_signal(signal.SIGTERM)
         assert run.finish(timeout=30) == 128 + signal.SIGTERM
-    assert wait_gone(pids, 0) == []
+    assert wait_all_gone(pids, 0) == []
 
 
 @pytest.mark.timeout(60)
@@ -606,16 +608,10 @@ def test_sigkill_to_the_launcher_leaves_no_worker_and_no_worker_child() -> None:
         assert run.finish() == -signal.SIGKILL
     # Workers die of PR_SET_PDEATHSIG; their children (re-parented to init) and the
     # watchdog go right after.
-    assert wait_gone(workers + children + helpers, 10) == []
+    assert wait_all_gone(workers + children + helpers, 10) == []
 
 
 # -- multi-process jobs ---------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow
@@ -641,7 +637,7 @@ def test_ddp_gives_the_same_parameters_as_torchrun(tmp_path: Path, nproc: int) -
 @pytest.mark.torch
 @pytest.mark.timeout(240)
 def test_two_launchers_form_a_two_node_c10d_job(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "params.json"
     common = [
         "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",

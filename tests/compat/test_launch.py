@@ -26,11 +26,10 @@ import pytest
 from aioelastic._compat._launch import MainProcessError, WorkerError, free_port, launch
 from aioelastic._core.reports._failures import ChildFailedError
 from tests.children import spawn as children
-from tests.support.waits import is_running
+from tests.support.paths import REPO
+from tests.support.waits import is_running, make_fifo
 
 pytestmark = pytest.mark.timeout(60)
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.asyncio
@@ -62,9 +61,7 @@ async def test_master_port_0_gives_the_workers_a_free_port() -> None:
 
 @pytest.mark.asyncio
 async def test_the_parent_environment_is_untouched_while_workers_run(tmp_path: Path) -> None:
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    os.mkfifo(ready)
-    os.mkfifo(go)
+    ready, go = make_fifo(tmp_path, "ready"), make_fifo(tmp_path, "go")
     values: list[object] = []
     async with anyio.create_task_group() as tg:
 
@@ -124,9 +121,7 @@ async def test_previous_handlers_are_back_after_launch() -> None:
 @pytest.mark.asyncio
 async def test_cancelling_launch_stops_its_workers(tmp_path: Path) -> None:
     # The leak check of tests/conftest.py fails this test if a worker survives.
-    ready, go = tmp_path / "ready", tmp_path / "go"
-    os.mkfifo(ready)
-    os.mkfifo(go)
+    ready, go = make_fifo(tmp_path, "ready"), make_fifo(tmp_path, "go")
     before = signal.getsignal(signal.SIGINT)
     async with anyio.create_task_group() as tg:
         tg.start_soon(launch, children.launch_env_when_told, (str(ready), str(go)), 1)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import time
@@ -17,6 +16,7 @@ from aioelastic._compat._spawn import (
     spawn,
 )
 from tests.children import spawn as children
+from tests.support.waits import make_fifo
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,8 +64,7 @@ async def test_a_worker_killed_by_sigkill() -> None:
 @pytest.mark.asyncio
 async def test_grace_period_is_honoured_for_a_sigterm_ignoring_sibling(tmp_path: Path) -> None:
     # torch's join would wait 30 s here whatever grace period was asked for.
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "fifo")
     started = time.monotonic()
     with pytest.raises(ProcessRaisedException) as info:
         await spawn(children.spawn_stubborn_sibling, args=(str(fifo),), nprocs=2, grace_period=1)

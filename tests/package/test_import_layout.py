@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support.paths import REPO
+
 #: The one test module that may import benchmark code: the code it tests.
 BENCHMARK_TESTS = "tests/test_benchmarks.py"
 
@@ -89,7 +90,7 @@ def _sources() -> list[Path]:
     return sorted(
         path
         for top in ("tests", "benchmarks", "workloads")
-        for path in (ROOT / top).rglob("*.py")
+        for path in (REPO / top).rglob("*.py")
         if ".venv" not in path.parts
     )
 
@@ -101,7 +102,7 @@ def test_tests_and_benchmarks_import_only_what_they_may() -> None:
     found = [
         problem
         for path in sources
-        for problem in problems(str(path.relative_to(ROOT)), path.read_text())
+        for problem in problems(str(path.relative_to(REPO)), path.read_text())
     ]
     assert not found, "\n".join(found)
 

@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO
+
 pytestmark = pytest.mark.timeout(60)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "aioelastic"
+PACKAGE = REPO / "aioelastic"
 LAYERS = {"_core": 0, "_compat": 1, "_elastic": 2, "_cli": 3}
 TOP = len(LAYERS)
 

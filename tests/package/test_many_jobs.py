@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.support.paths import REPO
 from tests.support.waits import is_running
 
-SCENARIO = Path(__file__).parents[2] / "examples" / "many_jobs.py"
+SCENARIO = REPO / "examples" / "many_jobs.py"
 
 
 @pytest.mark.slow

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 
 import aioelastic
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parents[2]
-INIT = ROOT / "aioelastic" / "__init__.py"
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+INIT = REPO / "aioelastic" / "__init__.py"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 #: ``aioelastic.<name>`` in the docs that is not an attribute: the public submodules, and
 #: the logger named ``aioelastic.errors``.
 NOT_ATTRIBUTES = {"run", "timer", "stack_hook", "errors"}

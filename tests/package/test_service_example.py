@@ -14,13 +14,14 @@ from typing import Any
 import anyio
 import pytest
 
+from tests.support.paths import REPO
 from tests.support.waits import is_running
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-SERVICE = Path(__file__).parents[2] / "examples" / "service.py"
+SERVICE = REPO / "examples" / "service.py"
 
 
 class Server:

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -123,24 +121,6 @@ def launch(*argv: str, env: dict[str, str] | None = None, timeout: float = 90) -
     with launcher(*argv, env=env) as run:
         run.finish(timeout)
     return run
-
-
-def wait_gone(pids: Sequence[int], timeout: float) -> list[int]:
-    """Wait until every process in ``pids`` has exited; return those still running."""
-    deadline = time.monotonic() + timeout
-    alive = []
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue  # already gone (and reaped)
-        try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
-                alive.append(pid)
-        finally:
-            os.close(fd)
-    return alive
 
 
 def with_env(**extra: str) -> dict[str, str]:

@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.ports import free_ports
 
 #: What to install when the server is missing. Debian 12 ships etcd 3.4, which serves v2.
 INSTALL_SERVER = (
@@ -89,17 +90,6 @@ def server_version(path: str) -> tuple[int, int] | None:
     done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     found = re.search(r"etcd Version: (\d+)\.(\d+)", done.stdout)
     return (int(found[1]), int(found[2])) if found else None
-
-
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free on 127.0.0.1 right now (all held until all are chosen)."""
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            ports.append(int(s.getsockname()[1]))
-        return ports
 
 
 def _server_env() -> dict[str, str]:
@@ -265,7 +255,7 @@ class EtcdCluster:
     def __init__(self, directory: Path, size: int = 3, binary: str | None = None) -> None:
         self.directory = directory
         self.binary = binary or etcd_binary()
-        ports = _free_ports(2 * size)
+        ports = free_ports(2 * size)
         self.members = [
             Member(f"m{i}", ports[2 * i], ports[2 * i + 1], directory) for i in range(size)
         ]

@@ -41,6 +41,7 @@ from tests.support.audit import (
     open_fds,
     zombie_children,
 )
+from tests.support.paths import REPO
 from tests.support.soak_rounds import (
     FAULTS,
     ROUND_TIMEOUT,
@@ -339,7 +340,7 @@ async def run_env_fault(rnd: Round, directory: Path, audit: Audit, faults: Count
     def child(*argv: str, close_after_first_line: bool = False) -> tuple[int, list[Any]]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.children.faults", *argv],
-            cwd=Path(__file__).resolve().parents[3],
+            cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=env,

@@ -8,6 +8,7 @@ readability with a timeout — never a sleep.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import time
@@ -26,8 +27,7 @@ class ReadyFifo:
     """A named pipe a worker writes ``ready``-style lines to."""
 
     def __init__(self, directory: Path, name: str = "ready") -> None:
-        self.path = directory / f"{name}.fifo"
-        os.mkfifo(self.path)
+        self.path = make_fifo(directory, f"{name}.fifo")
         self._fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
         # Our own idle writer: without one, the FIFO reports hang-up (readable, empty)
         # after each worker closes it, and waiting on it would spin.
@@ -49,6 +49,18 @@ class ReadyFifo:
         """Close both ends."""
         os.close(self._keep_open)
         os.close(self._fd)
+
+
+def make_fifo(directory: Path, name: str) -> Path:
+    """A new named pipe ``directory/name``, for a child program to open by its path.
+
+    How each side opens it is the caller's: a ``go`` gate the test writes to once the
+    workers should go on, or a channel a worker answers on; :class:`ReadyFifo` for
+    ``ready`` lines.
+    """
+    path = directory / name
+    os.mkfifo(path)
+    return path
 
 
 async def read_line(stream: anyio.abc.ByteReceiveStream, timeout: float = 30) -> str:
@@ -85,6 +97,28 @@ async def wait_gone(pid: int, timeout: float = 30) -> None:
             await anyio.wait_readable(fd)
     finally:
         os.close(fd)
+
+
+def wait_all_gone(pids: Sequence[int], timeout: float) -> list[int]:
+    """Block until every process in ``pids`` has exited; return those still running.
+
+    The blocking twin of :func:`wait_gone`, for synchronous tests (a launcher run as a
+    subprocess): waits on each pidfd with ``select`` until one shared deadline.
+    """
+    deadline = time.monotonic() + timeout
+    alive = []
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # already gone (and reaped)
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                alive.append(pid)
+        finally:
+            os.close(fd)
+    return alive
 
 
 @asynccontextmanager

@@ -18,13 +18,13 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from types import FrameType
 
 import anyio
 import pytest
 
 from aioelastic._core.aio._signals import SignalReceived, SignalScope, handle_signals
+from tests.support.paths import CHILDREN, REPO
 from tests.support.waits import is_running
 
 pytestmark = pytest.mark.timeout(30)
@@ -356,8 +356,7 @@ def test_signal_received_pickles() -> None:
 
 # -- the launcher as a shell's background job ---------------------------------------------
 
-REPO = Path(__file__).resolve().parents[3]
-CLI_SCRIPT = str(REPO / "tests" / "children" / "cli.py")
+CLI_SCRIPT = str(CHILDREN / "cli.py")
 
 
 def _sigint_ignored(status_line: str) -> bool:

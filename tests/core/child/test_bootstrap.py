@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO
 
 UNGUARDED = textwrap.dedent(
     """

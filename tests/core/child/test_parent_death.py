@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.support.waits import is_running, read_line, wait_gone
+from tests.support.waits import is_running, make_fifo, read_line, wait_gone
 
 pytestmark = pytest.mark.asyncio
 
@@ -19,8 +18,7 @@ pytestmark = pytest.mark.asyncio
 async def _start_supervisor(
     tmp_path: Path, method: str, nprocs: int, hold: float
 ) -> tuple[anyio.abc.Process, list[int]]:
-    fifo = tmp_path / "ready.fifo"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "ready.fifo")
     proc = await anyio.open_process(
         [
             sys.executable,
@@ -59,8 +57,7 @@ async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, metho
 
 
 async def test_subreaper_mode_stops_a_descendant_that_left_its_group(tmp_path: Path) -> None:
-    fifo = tmp_path / "ready.fifo"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "ready.fifo")
     proc = await anyio.run_process(
         [sys.executable, "-m", "tests.children.core", "subreaper", str(fifo)], check=True
     )

@@ -12,15 +12,17 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support.cli_run import REPO, launch, launcher, wait_gone, with_env
+from tests.support.cli_run import launch, launcher, with_env
+from tests.support.paths import CHILDREN, REPO
+from tests.support.ports import free_port
+from tests.support.waits import wait_all_gone
 
-PROBE = str(REPO / "tests" / "children" / "preload_probe.py")
+PROBE = str(CHILDREN / "preload_probe.py")
 READY = re.compile(r"ready pid=(\d+)")
 TABLE = "=" * 20
 
@@ -152,9 +154,7 @@ def test_restarts_fork_from_the_same_warm_server() -> None:
 @pytest.mark.torch  # a two-node c10d rendezvous
 @pytest.mark.timeout(120)
 def test_the_warm_up_runs_while_the_rendezvous_waits_for_other_nodes() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [
         "--nnodes", "2", "--node-rank", "0", "--master-port", str(port),
         "--preload", "tests.children.preload_marker", PROBE, "argv",
@@ -168,7 +168,7 @@ def test_the_warm_up_runs_while_the_rendezvous_waits_for_other_nodes() -> None:
         assert _facts(run.stdout) == []
         run.proc.send_signal(signal.SIGINT)
         assert run.finish() == 128 + signal.SIGINT, run.stderr
-    assert wait_gone([server], timeout=30) == []
+    assert wait_all_gone([server], timeout=30) == []
 
 
 @pytest.mark.timeout(120)
@@ -249,7 +249,7 @@ def test_a_preloaded_torch_uses_the_thread_count_of_a_fresh_worker() -> None:
 @pytest.mark.torch
 @pytest.mark.timeout(300)
 def test_ddp_under_a_preloaded_torch_gives_the_same_parameters(tmp_path: Path) -> None:
-    cli = str(REPO / "tests" / "children" / "cli.py")
+    cli = str(CHILDREN / "cli.py")
     outs = {}
     for name, extra in (("fresh", []), ("warm", ["--preload", "torch,torch.distributed"])):
         out = tmp_path / f"{name}.json"

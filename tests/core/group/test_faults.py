@@ -23,9 +23,8 @@ import pytest
 import aioelastic
 from tests.children import core, faults
 from tests.support.groups import envs
-from tests.support.waits import ReadyFifo, close_with_reporter_stopped
-
-REPO = Path(__file__).resolve().parents[3]
+from tests.support.paths import REPO
+from tests.support.waits import ReadyFifo, close_with_reporter_stopped, make_fifo
 
 
 def python_m(
@@ -134,8 +133,7 @@ async def test_a_full_log_disk_does_not_stop_the_other_workers(full_tmpfs: Path)
     import os
 
     ready = ReadyFifo(full_tmpfs.parent)
-    go = full_tmpfs.parent / "go.fifo"
-    os.mkfifo(go)
+    go = make_fifo(full_tmpfs.parent, "go.fifo")
     log_dir = full_tmpfs / "logs"
     try:
         ctx = aioelastic.start_processes(

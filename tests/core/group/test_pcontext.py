@@ -20,7 +20,7 @@ from aioelastic._core.process import _platform
 from aioelastic._core.start._forkserver import fork_server
 from tests.children import core
 from tests.support.groups import envs
-from tests.support.waits import ReadyFifo, is_running
+from tests.support.waits import ReadyFifo, is_running, make_fifo
 
 pytestmark = pytest.mark.asyncio
 
@@ -165,8 +165,7 @@ async def test_a_failure_stops_its_siblings_before_its_report_is_read(
     report, it would wait its full 20 s and the group would end later still.
     """
     ready = ReadyFifo(tmp_path, "ready")
-    go = tmp_path / "go.fifo"
-    os.mkfifo(go)
+    go = make_fifo(tmp_path, "go.fifo")
     sibling_pidfd: list[int] = []
     read_report = aioelastic.ProcessFailure.from_exit
     sibling_gone: list[bool] = []
@@ -201,8 +200,7 @@ async def test_sibling_stopped_by_supervisor_is_not_a_failure(
     tmp_path: Path, exit_watch_mode: str
 ) -> None:
     ready = ReadyFifo(tmp_path, "ready")
-    go = tmp_path / "go.fifo"
-    os.mkfifo(go)
+    go = make_fifo(tmp_path, "go.fifo")
     try:
         async with _failing_and_blocking(ready, go, grace_period=5) as ctx:
             await ready.lines(2)
@@ -570,8 +568,7 @@ async def test_the_last_worker_decides_the_outcome_after_the_others_succeeded(
     # The group's outcome is counted as each worker settles: fifteen successes must
     # neither end the wait early nor hide the sixteenth worker's failure.
     n = 16
-    gate = tmp_path / "gate.fifo"
-    os.mkfifo(gate)
+    gate = make_fifo(tmp_path, "gate.fifo")
     # Read-write: the worker's open for reading finds a writer and does not block; its
     # read then waits for the line written below.
     gate_fd = os.open(gate, os.O_RDWR)

@@ -19,12 +19,13 @@ import aioelastic
 from aioelastic._core.child._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV, script_argv
 from aioelastic._core.hangs._stacks import StackChannel, StackChannels, _still_dumping
 from tests.children import hangs
+from tests.support.paths import CHILDREN
 from tests.support.waits import ReadyFifo, is_running, started_in_own_session
 
 pytestmark = pytest.mark.timeout(60)
 
-HANGS = str(Path(__file__).parents[2] / "children" / "hangs.py")
-FIDELITY = str(Path(__file__).parents[2] / "children" / "main_fidelity.py")
+HANGS = str(CHILDREN / "hangs.py")
+FIDELITY = str(CHILDREN / "main_fidelity.py")
 
 
 @pytest.mark.parametrize(
@@ -276,7 +277,7 @@ async def test_dump_stacks_of_a_script_worker_and_of_an_exited_one(tmp_path: Pat
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
 async def test_sigurg_to_the_launcher_prints_every_workers_stack(tmp_path: Path) -> None:
-    barrier = str(Path(__file__).parents[2] / "children" / "barrier.py")
+    barrier = str(CHILDREN / "barrier.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     argv = [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2", barrier]
     async with await anyio.open_process(argv, env=env) as proc:

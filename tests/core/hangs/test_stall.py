@@ -16,6 +16,7 @@ import aioelastic
 from aioelastic._core.hangs import _guard as _hangs
 from aioelastic._core.hangs._stall import RankActivity, StallReport, wait_for_stall
 from tests.children import hangs
+from tests.support.paths import CHILDREN
 from tests.support.waits import ReadyFifo, is_running
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
@@ -192,7 +193,7 @@ async def test_wait_for_stall_moves_with_activity_and_rejects_nonsense() -> None
 
 @pytest.mark.asyncio
 async def test_cli_stall_timeout_reports_every_rank_with_its_stack(tmp_path: Path) -> None:
-    barrier = str(Path(__file__).parents[2] / "children" / "barrier.py")
+    barrier = str(CHILDREN / "barrier.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHELASTIC_")}
     argv = [sys.executable, "-m", "aioelastic.run", "--nproc-per-node", "2"]
     logs = tmp_path / "logs"

@@ -23,11 +23,12 @@ import aioelastic.timer
 from aioelastic._core.child._stack_hook import script_argv
 from aioelastic._core.hangs._timer_server import Expiry, TimerServer
 from tests.children import hangs
-from tests.support.waits import ReadyFifo, started_in_own_session
+from tests.support.paths import CHILDREN, REPO
+from tests.support.waits import ReadyFifo, make_fifo, started_in_own_session
 
 pytestmark = pytest.mark.timeout(90)
 
-HANGS = str(Path(__file__).parents[2] / "children" / "hangs.py")
+HANGS = str(CHILDREN / "hangs.py")
 
 
 @asynccontextmanager
@@ -97,7 +98,7 @@ async def test_released_timer_never_fires_for_a_busy_worker(tmp_path: Path, clie
         "from tests.children.hangs import armed_but_finishes;"
         "armed_but_finishes(sys.argv[2], sys.argv[3], 1.0, 0.3)"
     )
-    root = str(Path(__file__).parents[3])
+    root = str(REPO)
     try:
         async with serving(fifo, owners) as (server, expiries, _got):
             argv = [sys.executable, "-c", code, root, str(ready.path), client]
@@ -230,8 +231,7 @@ def test_our_client_misuse_and_no_server(tmp_path: Path, monkeypatch: pytest.Mon
         pass
     with pytest.raises(RuntimeError, match="TORCHELASTIC_TIMER_FILE is not set"):
         aioelastic.timer.configure()
-    fifo = tmp_path / "nobody.fifo"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "nobody.fifo")
     aioelastic.timer.configure(str(fifo))
     with (
         pytest.raises(ValueError, match="after must be a positive number of seconds, got 0"),
@@ -377,7 +377,7 @@ async def test_timer_without_the_switch_is_not_served(
 
 # -- under aioelastic-run -------------------------------------------------------------
 
-BARRIER = str(Path(__file__).parents[2] / "children" / "barrier.py")
+BARRIER = str(CHILDREN / "barrier.py")
 
 
 @pytest.mark.parametrize("client", ["torch", "ours"])

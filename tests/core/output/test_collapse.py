@@ -24,8 +24,9 @@ from aioelastic import Std, run_processes, start_processes
 from aioelastic._core.output import _collapse
 from aioelastic._core.output._collapse import Collapser, Lane, rank_ranges
 from tests.children import block_buffered, collapse as child
-from tests.support.cli_run import REPO, launcher
-from tests.support.waits import ReadyFifo
+from tests.support.cli_run import launcher
+from tests.support.paths import CHILDREN
+from tests.support.waits import ReadyFifo, make_fifo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -366,7 +367,7 @@ def test_collapsing_happens_in_random_interleavings_of_the_same_lines() -> None:
 # -- real workers -------------------------------------------------------------------------
 
 
-SCRIPT = str(REPO / "tests" / "children" / "collapse.py")
+SCRIPT = str(CHILDREN / "collapse.py")
 
 
 @pytest.mark.asyncio
@@ -426,8 +427,7 @@ async def test_a_bad_window_is_refused_before_anything_starts(
 def _cli_console(*extra: str, tmp_path: Path, nprocs: int = 8) -> tuple[bytes, bytes, int]:
     """``aioelastic-run`` of the collapse child on ``nprocs`` ranks; its stdout, stderr."""
     ready = ReadyFifo(tmp_path)
-    go = tmp_path / "go"
-    os.mkfifo(go)
+    go = make_fifo(tmp_path, "go")
     argv = ["--nproc-per-node", str(nprocs), *extra, SCRIPT, str(ready.path), str(go), "0"]
     try:
         with launcher(*argv) as run:
@@ -498,7 +498,7 @@ def test_without_the_flag_every_copy_is_printed_as_torchrun_does(tmp_path: Path)
 # is let go. So every partial line is held across at least one flush delay, in every
 # round, with no sleep anywhere.
 
-BUFFERED = str(REPO / "tests" / "children" / "block_buffered.py")
+BUFFERED = str(CHILDREN / "block_buffered.py")
 
 
 def _run_in_rounds(
@@ -509,9 +509,8 @@ def _run_in_rounds(
     ready = ReadyFifo(tmp_path)
     go_fds = []
     for rank in range(nprocs):
-        os.mkfifo(tmp_path / f"go.{rank}")
         # Read-write: never blocks, and lets the rank's open for reading return at once.
-        go_fds.append(os.open(tmp_path / f"go.{rank}", os.O_RDWR))
+        go_fds.append(os.open(make_fifo(tmp_path, f"go.{rank}"), os.O_RDWR))
     argv = [
         "--nproc-per-node", str(nprocs), "--tee", "3", "--log-dir", str(tmp_path / "logs"),
         "--collapse-identical-lines", str(window),

@@ -25,8 +25,8 @@ from aioelastic._core.output._logs import StreamPump
 from aioelastic._core.process._platform import proc_stat
 from tests.children.logs import BAD_BYTES
 from tests.support.log_supervisor import by_rank, numbered_bytes
-from tests.support.paths import REPO
-from tests.support.waits import ReadyFifo
+from tests.support.paths import CHILDREN
+from tests.support.waits import ReadyFifo, make_fifo
 
 # -- whole lines, nothing lost ----------------------------------------------------------
 
@@ -211,9 +211,7 @@ def test_a_growing_partial_line_is_shown_after_the_flush_delay(
 def test_print_end_empty_is_held_then_printed_whole_without_interleaving(
     supervise: Any, tmp_path: Path
 ) -> None:
-    fifos = [tmp_path / f"fifo{rank}" for rank in range(2)]
-    for fifo in fifos:
-        os.mkfifo(fifo)
+    fifos = [make_fifo(tmp_path, f"fifo{rank}") for rank in range(2)]
     sup = supervise(
         {
             "worker": "split_line",
@@ -384,9 +382,8 @@ def test_identical_lines_are_printed_once_with_the_ranks_the_prefix_shows(
 
     nprocs = 8
     ready = ReadyFifo(tmp_path)
-    go = tmp_path / "go"
-    os.mkfifo(go)
-    script = str(REPO / "tests" / "children" / "collapse.py")
+    go = make_fifo(tmp_path, "go")
+    script = str(CHILDREN / "collapse.py")
     sup = supervise(
         {
             "binary": sys.executable,
@@ -427,8 +424,7 @@ def test_identical_lines_are_printed_once_with_the_ranks_the_prefix_shows(
 def test_rank_filter_hides_console_output_but_not_files_or_failures(
     supervise: Any, tmp_path: Path
 ) -> None:
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "fifo")
     sup = supervise(
         {
             "worker": "fail_after_output",

@@ -25,10 +25,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.support.waits import ReadyFifo
+from tests.support.paths import CHILDREN, REPO
+from tests.support.waits import ReadyFifo, make_fifo
 
-REPO = Path(__file__).resolve().parents[3]
-SCRIPT = str(REPO / "tests" / "children" / "terminal.py")
+SCRIPT = str(CHILDREN / "terminal.py")
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -158,8 +158,7 @@ def test_a_single_worker_reads_the_terminal_with_input(terminal: type[Terminal])
 def test_each_frame_reaches_the_terminal_before_the_next_is_written(
     terminal: type[Terminal], tmp_path: Path
 ) -> None:
-    fifo = tmp_path / "go"
-    os.mkfifo(fifo)
+    fifo = make_fifo(tmp_path, "go")
     term = terminal(["--nproc-per-node", "1", SCRIPT, "frames", "5", str(fifo)])
     with open(fifo, "wb", buffering=0) as go:
         for i in range(1, 6):
@@ -180,11 +179,10 @@ def test_identical_lines_of_eight_workers_are_shown_once_while_they_run(
 
     nprocs = 8
     ready = ReadyFifo(tmp_path)
-    go = tmp_path / "go"
-    os.mkfifo(go)
+    go = make_fifo(tmp_path, "go")
     term = terminal(
         ["--nproc-per-node", str(nprocs), "--collapse-identical-lines", "2",
-         str(REPO / "tests" / "children" / "collapse.py"), str(ready.path), str(go), "1"]
+         str(CHILDREN / "collapse.py"), str(ready.path), str(go), "1"]
     )  # fmt: skip
     try:
         anyio.run(ready.lines, nprocs, 60)
@@ -259,7 +257,7 @@ def test_failure_and_restart_lines_at_the_default_level_in_colour(
 ) -> None:
     term = terminal(
         ["--max-restarts", "1", "--nproc-per-node", "1",
-         str(REPO / "tests" / "children" / "cli.py"), "flaky", "--fail-times", "1", "--code", "5"]
+         str(CHILDREN / "cli.py"), "flaky", "--fail-times", "1", "--code", "5"]
     )  # fmt: skip
     assert term.finish() == 0, term.text()
     term.wait_for(
@@ -297,16 +295,13 @@ START_PATHS = {
 
 @pytest.fixture
 def fifo(tmp_path: Path) -> str:
-    path = tmp_path / "rank0"
-    os.mkfifo(path)
+    path = make_fifo(tmp_path, "rank0")
     return str(path)
 
 
 @pytest.fixture
 def fifos(tmp_path: Path) -> list[str]:
-    paths = [tmp_path / "go", tmp_path / "answer"]
-    for path in paths:
-        os.mkfifo(path)
+    paths = [make_fifo(tmp_path, "go"), make_fifo(tmp_path, "answer")]
     return [str(path) for path in paths]
 
 
@@ -369,7 +364,7 @@ def test_breakpoint_in_rank_1_of_two_is_a_working_debugger(
 def test_torch_distributed_breakpoint_on_rank_1_of_a_gloo_job(
     terminal: type[Terminal], start: list[str]
 ) -> None:
-    script = str(REPO / "tests" / "children" / "dist_breakpoint.py")
+    script = str(CHILDREN / "dist_breakpoint.py")
     term = terminal(["--nproc-per-node", "2", *start, script])
     # torch's debugger reads open("/dev/stdin"): a descriptor of its own on rank 1's pty.
     term.wait_for(_note(1) + rb"\(Pdb\) $", timeout=180)

@@ -24,11 +24,13 @@ from aioelastic._core.process import _platform
 from aioelastic._core.process._runtime import runtime
 from aioelastic._core.process._subreaper import LINEAGE_ENV, lineage_env
 from tests.children import subreaper as child
-from tests.support.cli_run import REPO, launch, wait_gone
+from tests.support.cli_run import launch
+from tests.support.paths import CHILDREN, REPO
 from tests.support.soak_rounds import Seen, SoakFifo
+from tests.support.waits import wait_all_gone
 
-CLI_SCRIPT = str(REPO / "tests" / "children" / "cli.py")
-SUBREAPER_SCRIPT = str(REPO / "tests" / "children" / "subreaper.py")
+CLI_SCRIPT = str(CHILDREN / "cli.py")
+SUBREAPER_SCRIPT = str(CHILDREN / "subreaper.py")
 
 
 def _swept_lines(stderr: str) -> list[str]:
@@ -86,7 +88,7 @@ def test_the_launcher_sweeps_a_daemon_a_worker_left_and_names_it(tmp_path: Path)
     run = launch("--nproc-per-node", "1", SUBREAPER_SCRIPT, "escape", str(path), "exec")
     assert run.proc.returncode == 0, run.stderr
     daemon = int(path.read_text())
-    assert wait_gone([daemon], 10) == []
+    assert wait_all_gone([daemon], 10) == []
     # One line at the default level, naming the daemon's pid and command.
     lines = _swept_lines(run.stderr)
     assert len(lines) == 1, run.stderr

@@ -24,6 +24,7 @@ from aioelastic._core.start._forkserver import INLINE_CALL_MAX, ForkServerError,
 from tests.children import core, preload_gc
 from tests.support.audit import spare_pids
 from tests.support.groups import envs
+from tests.support.paths import CHILDREN, REPO
 from tests.support.waits import (
     ReadyFifo,
     is_running,
@@ -31,8 +32,6 @@ from tests.support.waits import (
     process_state,
     wait_gone,
 )
-
-REPO_ROOT = str(Path(__file__).resolve().parents[3])
 
 
 def _stop(preload: tuple[str, ...]) -> None:
@@ -188,7 +187,7 @@ def test_inherited_signal_state_does_not_reach_the_server_or_its_workers() -> No
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "tests.children.forkserver", "inherited-signals"],
-        cwd=REPO_ROOT,
+        cwd=str(REPO),
         preexec_fn=inherit,
         capture_output=True,
         text=True,
@@ -461,9 +460,9 @@ def _script_report(script: str, *args: str) -> Any:
     """Run ``tests/children/SCRIPT ARGS`` as a main script (bounded, exit 0); its JSON."""
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, str(Path(REPO_ROOT) / "tests" / "children" / script), *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": REPO_ROOT},
+        [sys.executable, str(CHILDREN / script), *args],
+        cwd=str(REPO),
+        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=50,

@@ -16,6 +16,7 @@ import aioelastic
 from aioelastic._core.process import _platform
 from aioelastic._core.process._runtime import runtime
 from tests.children import core
+from tests.support.paths import CHILDREN
 from tests.support.waits import ReadyFifo, is_running
 
 #: A group leader that forks a child which exits at once and is left a zombie (waited for
@@ -201,7 +202,7 @@ async def test_ctrl_c_while_close_waits_out_its_grace_period_still_ends_every_wo
 
 # -- stop_leader_first -------------------------------------------------------------------
 
-_CLI_CHILD = str(Path(__file__).resolve().parents[2] / "children" / "cli.py")
+_CLI_CHILD = str(CHILDREN / "cli.py")
 
 
 async def _checkpointing_group(

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import threading
 import time
 import uuid
@@ -23,24 +22,21 @@ from pathlib import Path
 import pytest
 
 from aioelastic._elastic.channel._job_channel import DEAD_AFTER, STACKS_TIMEOUT
-from tests.support.cli_run import Launcher, wait_gone, with_env
+from tests.support.cli_run import Launcher, with_env
+from tests.support.paths import CHILDREN
+from tests.support.ports import free_port
+from tests.support.waits import make_fifo, wait_all_gone
 
 # Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
 # installed (CI's runs on 3.10 and 3.13).
 pytestmark = pytest.mark.torch
 
-JOB = str(Path(__file__).resolve().parents[2] / "children" / "multinode_job.py")
+JOB = str(CHILDREN / "multinode_job.py")
 READY = re.compile(r"ready rank=(\d+) restart=(\d+) pid=(\d+)")
 DONE = re.compile(r"done rank=(\d+) restart=(\d+)")
 #: What "every node ended or restarted in seconds" means here (measured: about 1 s for an
 #: end told through the store, about 6 s for a vanished node).
 BOUND = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Job:
@@ -49,8 +45,7 @@ class Job:
     def __init__(self, tmp_path: Path, nodes: int, *, mode: str = "hang", **env: str) -> None:
         self.tmp_path = tmp_path
         self.nodes = nodes
-        self.go = tmp_path / "go"
-        os.mkfifo(self.go)
+        self.go = make_fifo(tmp_path, "go")
         self.mode = mode
         self.env = with_env(**env)
         self.endpoint = f"127.0.0.1:{free_port()}"
@@ -167,7 +162,7 @@ def test_a_failed_rank_ends_every_node_although_its_peers_notice_nothing(
         took = _ended_within(ends, failed_at)
         assert all(t < BOUND for t in took), took
         assert [code for code, _ in ends] == [7, 7, 7], [n.stderr for n in running.launchers]
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     for node in (0, 1):
         stderr = running.launchers[node].stderr
         assert "stopped: node 2 (127.0.0.3) failed: rank 5 exited 7" in stderr, stderr
@@ -228,7 +223,7 @@ def test_a_launcher_stopped_by_sigterm_ends_the_attempt_on_every_node(tmp_path: 
         ends = running.finish()
         took = _ended_within(ends, stopped_at)
         assert all(t < BOUND for t in took), took
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     assert ends[1][0] == 128 + signal.SIGTERM
     for node in (0, 2):
         stderr = running.launchers[node].stderr
@@ -245,7 +240,7 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
         ends = running.finish()
         took = _ended_within(ends[:2], killed_at)
         assert all(t < BOUND for t in took), took
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     assert ends[2][0] == -signal.SIGKILL
     for node in (0, 1):
         stderr = running.launchers[node].stderr
@@ -395,7 +390,7 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
         # c10d's store refuses once its launcher is gone: no election to wait out, so the
         # others end as fast as after any failure (etcd's is given 10 s; see test_etcd).
         assert all(t < BOUND for t in took), took
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     for node in (1, 2):
         launcher = running.launchers[node]
         assert ends[node][0] == 1, launcher.stderr
@@ -433,7 +428,7 @@ def test_a_node_that_never_answers_is_named_and_the_report_still_comes(tmp_path:
             asker.wait_for_stderr("(also in ", timeout=60)
             took = time.monotonic() - asked_at
         ends = running.finish()
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     assert took < STACKS_TIMEOUT + BOUND, took
     assert all(code != 0 for code, _ in ends), [n.stderr for n in running.launchers]
     report = asker.stderr[asker.stderr.index("stacks of ") :]
@@ -463,7 +458,7 @@ def test_a_node_whose_peer_never_hears_of_the_end_lingers_no_longer_than_its_bou
             ends = [(launcher.finish(DEAD_AFTER + BOUND + 30), time.monotonic())
                     for launcher in running.launchers[:2]]  # fmt: skip
         ends.append((running.launchers[2].finish(), time.monotonic()))
-        assert wait_gone(list(pids.values()), 10) == []
+        assert wait_all_gone(list(pids.values()), 10) == []
     took = _ended_within(ends[:2], failed_at)
     assert all(t < DEAD_AFTER + BOUND for t in took), took
     assert [code for code, _ in ends[:2]] == [7, 7], [n.stderr for n in running.launchers]

@@ -7,7 +7,6 @@ import logging
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -24,9 +23,9 @@ from aioelastic._elastic.observe._events import (
     WorkersStarted,
 )
 from aioelastic._elastic.observe._narrate import LauncherFormatter, Narrator
+from tests.support.paths import CHILDREN, REPO
 
-REPO = Path(__file__).resolve().parents[3]
-SCRIPT = str(REPO / "tests" / "children" / "cli.py")
+SCRIPT = str(CHILDREN / "cli.py")
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli_run import REPO, Launcher, launch, launcher
+from tests.support.cli_run import Launcher, launch, launcher
 from tests.support.etcd_cluster import EtcdCluster, etcd_cluster, require_client
+from tests.support.paths import CHILDREN
+from tests.support.waits import make_fifo
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
-SCRIPT = str(REPO / "tests" / "children" / "etcd_job.py")
+SCRIPT = str(CHILDREN / "etcd_job.py")
 BACKENDS = ["etcd-v2", "etcd"]
 READY = re.compile(r"^ready .*world=4 ")
 
@@ -75,8 +77,7 @@ class Gate:
     """
 
     def __init__(self, directory: Path) -> None:
-        self.path = directory / "gate.fifo"
-        os.mkfifo(self.path)
+        self.path = make_fifo(directory, "gate.fifo")
         self._fd: int | None = os.open(self.path, os.O_RDWR)
 
     def release(self) -> None:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import re
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,39 +19,16 @@ torch_rendezvous = pytest.importorskip("torch.distributed.elastic.rendezvous")
 from aioelastic._elastic.rendezvous._handlers import create_rdzv_handler, standalone_handler  # noqa: E402
 from aioelastic._elastic.rendezvous._node import LocalRendezvous, Rendezvous, RendezvousOutcome  # noqa: E402
 from aioelastic._elastic.settings._node_values import RDZV_OPTIONS, endpoint as parse_endpoint  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
 from tests.support.spare_node import SpareNodeHandler  # noqa: E402
 
-pytestmark = pytest.mark.torch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _torch_store_warmed() -> None:
-    """torch opens a process-wide pipe with the first TCPStore and keeps it for good.
-
-    Create it before any test's file-descriptor snapshot, so the leak check sees only what
-    a test itself leaves open.
-    """
-    store = torch_distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    del store
-
-
-@pytest.fixture(autouse=True)
-def _collect_stores() -> Iterator[None]:
-    """Free the TCPStores (and their sockets) a test dropped before the leak check runs."""
-    yield
-    gc.collect()
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("torch_store_warmed", "collect_stores")]
 
 
 async def joined(rdzv: Rendezvous, role: str, size: int, **kw: object) -> RendezvousOutcome:
     outcome = await rdzv.next_rendezvous(role, size, **kw)  # type: ignore[arg-type]
     assert outcome is not None, "torch said this node is not needed"
     return outcome
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.asyncio
