@@ -13,7 +13,7 @@ from ._compat import _old_paths
 
 if TYPE_CHECKING:
     # For type checkers only (the names are imported lazily, see _EXPORTS): each one
-    # re-exported as itself. tests/test_public_surface.py checks they match _EXPORTS.
+    # re-exported as itself. tests/package/test_public_surface.py checks they match _EXPORTS.
     from ._compat._launch import (
         MainProcessError as MainProcessError,
         WorkerError as WorkerError,

@@ -6,7 +6,7 @@ it, so after the test any live process carrying the marker is a leak, wherever i
 re-parented. Zombies are attributed by parent: a zombie child of the test process is a
 worker the supervisor did not reap. (Orphans re-parented to PID 1 are PID 1's to reap;
 on this project's CI machines PID 1 does not reap at all, so those are not counted.)
-The checks themselves live in ``tests/audit.py``, which the soak and the cancellation
+The checks themselves live in ``tests/support/audit.py``, which the soak and the cancellation
 tests use for each of their rounds.
 """
 

@@ -1,8 +1,9 @@
 """Start/wait/close cycles, measured: what one supervising process keeps after many runs.
 
 :func:`measure_cycles` runs the cycles and returns the supervisor's open fds, resident
-memory and threads before and after (and the fork server's fds). ``tests/test_resources.py``
-asserts bounds on these figures; ``python -m benchmarks.resources`` prints them.
+memory and threads before and after (and the fork server's fds).
+``tests/core/group/test_resources.py`` asserts bounds on these figures;
+``python -m benchmarks.resources`` prints them.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A two-rank gloo job that stops in ``torch.distributed.breakpoint(rank=1)``.
 
-Run by ``aioelastic-run --nproc-per-node 2`` under a pseudo-terminal (tests/test_terminal.py):
-rank 1 enters torch's debugger, which reads ``open("/dev/stdin")``, while rank 0 waits in
-the barrier after it; both finish with an all-reduce once the session continues.
+Run by ``aioelastic-run --nproc-per-node 2`` under a pseudo-terminal
+(tests/core/output/test_terminal.py): rank 1 enters torch's debugger, which reads
+``open("/dev/stdin")``, while rank 0 waits in the barrier after it; both finish with an
+all-reduce once the session continues.
 """
 
 from __future__ import annotations

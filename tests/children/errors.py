@@ -1,4 +1,6 @@
-"""Child programs for tests/test_errors.py, run as ``python -m tests.children.errors CMD ...``.
+"""Child programs for tests/core/child/test_error_file.py and tests/core/reports/test_errors.py.
+
+Run as ``python -m tests.children.errors CMD ...``.
 
 Commands:
     ours-raise MSG      raise ValueError(MSG) inside a function decorated with our ``record``

@@ -1,4 +1,4 @@
-"""Workers and child supervisors for the environment-fault tests (tests/test_faults.py).
+"""Workers and child supervisors for the environment-fault tests (tests/core/group/test_faults.py).
 
 ``python -m tests.children.faults CASE ...`` runs a supervisor in a process of its own,
 after putting the fault in place (a signal disposition, a resource limit), and prints

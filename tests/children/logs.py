@@ -1,4 +1,4 @@
-"""Child programs for tests/test_logs.py.
+"""Child programs for tests/core/output/test_logs.py.
 
 Function workers (run by the supervisor under test) are the module-level functions below.
 The supervisor itself runs in its own interpreter, so that the tests capture its real

@@ -1,4 +1,6 @@
-"""A supervisor that forks with all of its process-wide state in use, for tests/test_runtime.py.
+"""A supervisor that forks with all of its process-wide state in use.
+
+For tests/core/process/test_runtime.py.
 
 Run as ``python -m tests.children.runtime``. It starts everything the runtime holds (the
 launcher threads, the watchdog, a warm fork server, the console writer, the exit-waiter

@@ -1,4 +1,4 @@
-"""Workers and programs for tests/test_spawn.py and tests/test_launch.py.
+"""Workers and programs for tests/compat/test_spawn.py and tests/compat/test_launch.py.
 
 Functions named ``spawn_*`` are `aioelastic.spawn` workers (called ``fn(i, *args)``);
 ``launch_*`` are `aioelastic.launch` workers (called ``func(args)``); ``torch_*`` run a

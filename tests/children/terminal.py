@@ -1,4 +1,4 @@
-"""Workers for tests/test_terminal.py, run by ``aioelastic-run`` under a pseudo-terminal.
+"""Workers for tests/core/output/test_terminal.py, run by ``aioelastic-run`` under a pty.
 
 Plain scripts (standard library only), as a user's training script would be::
 

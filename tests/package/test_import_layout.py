@@ -1,7 +1,7 @@
 """Who may import whom among the tests, the benchmarks and the shared workloads.
 
 Code that both sides run lives in ``workloads/``; code that several test modules share lives
-in a test module of its own (``tests/waits.py``, ``tests/audit.py``, ...). So:
+in a module of its own under ``tests/support/`` (``waits.py``, ``audit.py``, ...). So:
 
 - ``benchmarks/`` and ``workloads/`` never import ``tests``, and ``workloads/`` never
   imports ``benchmarks``;

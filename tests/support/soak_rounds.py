@@ -69,7 +69,7 @@ KIND_WEIGHTS = {
 FINISHING = ("ok", "big")
 FAULTS = ("exit", "raise", "sigkill")
 BLOCK_CALLS = ("event", "sleep", "read", "select")
-#: Faults of the environment, one per "env" round (see tests/test_faults.py for each).
+#: Faults of the environment, one per "env" round (see tests/core/group/test_faults.py for each).
 ENV_FAULTS = (
     "SIGCHLD ignored",
     "RLIMIT_NOFILE low",

@@ -217,8 +217,8 @@ def rdzv_conf(value: object, backend: str | None = None) -> dict[str, Any]:
 # how: with get_as_int (int(value)), get_as_bool, or as text. torch checks a value only when
 # the handler is made, after its store is up (a negative join_timeout fails there, as a
 # launcher failure), and never looks at an option it does not read: a misspelt one runs
-# with the default as if nothing was said. tests/test_rendezvous.py reads these names out
-# of torch's own source, so a torch that reads other options fails there.
+# with the default as if nothing was said. tests/elastic/rendezvous/test_rendezvous.py reads
+# these names out of torch's own source, so a torch that reads other options fails there.
 _Check = Callable[[str, object], None]
 
 

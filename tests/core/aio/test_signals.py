@@ -3,7 +3,7 @@
 Signals are sent to the test process itself, so only SIGUSR1/SIGUSR2: the `guard` fixture
 gives both a recording Python handler for every test, so a handler that is not installed
 (or not restored) shows up as a recorded signal instead of killing the test run. SIGINT
-is exercised in a child process by tests/test_launch.py.
+is exercised in a child process by tests/compat/test_launch.py.
 """
 
 from __future__ import annotations

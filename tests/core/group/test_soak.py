@@ -12,7 +12,7 @@ subreaper mode with descendants that escape into their own session (``setsid``, 
 double fork) — :func:`aioelastic.enable_subreaper` is irreversible, so never in pytest.
 About one round in ten injects a fault of the environment instead (ENV_FAULTS: SIGCHLD
 ignored, a low RLIMIT_NOFILE, the console's reader gone, a return value whose unpickling
-raises SystemExit, a full log disk) and checks its exact outcome (tests/test_faults.py).
+raises SystemExit, a full log disk) and checks its exact outcome (tests/core/group/test_faults.py).
 
 After every round: no process the round started is alive (workers, grandchildren, escaped
 descendants), none is an unreaped zombie, no file descriptor is left open, no temporary
@@ -26,9 +26,9 @@ of every "lost" count.
 Bounded by default: 150 rounds or 70 s, whichever comes first (30-70 s on two shared cores).
 Longer runs::
 
-    AIOELASTIC_SOAK_SECONDS=1800 python -m pytest tests/test_soak.py::test_soak
+    AIOELASTIC_SOAK_SECONDS=1800 python -m pytest tests/core/group/test_soak.py::test_soak
     AIOELASTIC_SOAK_ROUNDS=2000 AIOELASTIC_SOAK_SEED=1234 \
-        python -m pytest tests/test_soak.py::test_soak
+        python -m pytest tests/core/group/test_soak.py::test_soak
 
 Every round draws from its own generator (seed and round number), so one round of a failed
 run replays alone: AIOELASTIC_SOAK_SEED=<seed> AIOELASTIC_SOAK_FIRST_ROUND=<n>

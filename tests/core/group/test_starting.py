@@ -27,7 +27,7 @@ async def test_a_failure_while_siblings_start_stops_them_too(
     """Rank 0 fails before rank 1 is started: rank 1 must be stopped all the same.
 
     Deterministic version of a race the soak finds (AIOELASTIC_SOAK_STRICT=1) and
-    tests/test_pcontext.py::test_unpicklable_return_value_fails_that_rank[fork] hits now
+    tests/core/group/test_pcontext.py::test_unpicklable_return_value_fails_that_rank[fork] hits now
     and then: rank 1's launch is held until rank 0's failure has been handled.
     """
     from aioelastic._core.worker._teardown import stop_workers

@@ -66,9 +66,9 @@ async def test_a_stall_is_told_by_the_groups_teller_before_the_group_is_stopped(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An agent tells a stall with every node's stacks (tests/test_multinode.py); a teller
-    that fails or takes too long gives way to the group's own report, and the group is
-    stopped all the same."""
+    """An agent tells a stall with every node's stacks (tests/elastic/channel/test_multinode.py);
+    a teller that fails or takes too long gives way to the group's own report, and the group
+    is stopped all the same."""
     monkeypatch.setattr(_hangs, "STALL_TELL_TIMEOUT", 1.0)
     ready = ReadyFifo(tmp_path)
     alive_when_told: list[bool] = []

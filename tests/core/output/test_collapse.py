@@ -2,8 +2,9 @@
 
 The stage is driven here by a fake clock and a console that records what it is given and
 when, so that interleavings, delays and the ends of streams can be chosen at will; real
-workers through ``aioelastic-run`` (pipes here, a terminal in tests/test_terminal.py) and
-through ``start_processes`` (tests/test_logs.py) follow.
+workers through ``aioelastic-run`` (pipes here, a terminal in
+tests/core/output/test_terminal.py) and through ``start_processes``
+(tests/core/output/test_logs.py) follow.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The supervisor's console is made to look like a terminal's (``ConsoleTerminals.probe``),
 and the router is replaced by the test itself: each worker's target gets a line written
 into its master side, which the worker reads from its stdin. Under a real terminal, with
-the real router, see ``tests/test_terminal.py``.
+the real router, see ``tests/core/output/test_terminal.py``.
 """
 
 from __future__ import annotations
