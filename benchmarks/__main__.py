@@ -1,9 +1,9 @@
-"""``python -m benchmarks``: see :mod:`benchmarks._cli`."""
+"""``python -m benchmarks``: see :mod:`benchmarks.harness._cli`."""
 
 from __future__ import annotations
 
 import sys
 
-from benchmarks._cli import main
+from benchmarks.harness._cli import main
 
 sys.exit(main())

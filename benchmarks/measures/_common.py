@@ -1,7 +1,7 @@
 """Pieces the measures share: lazy imports of each side, and the console capture.
 
 aioelastic's modules are imported lazily and a missing one raises
-:class:`~benchmarks._spec.NotAvailable`, so that a measure whose aioelastic side has not
+:class:`~benchmarks.harness._spec.NotAvailable`, so that a measure whose aioelastic side has not
 landed yet reports ``n/a`` instead of failing the suite.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from benchmarks._spec import NotAvailable, RepContext
 from benchmarks._util import now_ns
+from benchmarks.harness._spec import NotAvailable, RepContext
 
 #: The ``name`` every system gives its workers; tee'd lines start with ``[bench{rank}]:``.
 NAME = "bench"

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import os
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks._util import now_ns, seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
     aio_core,

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks._spec import SECONDS, Group, Measure, RepContext, Row, System
 from benchmarks._util import now_ns, seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
     TORCH_PRELOAD,
@@ -81,14 +81,14 @@ def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
 
 async def aio_fn(ctx: RepContext) -> dict[str, float]:
     """aioelastic run_processes of N no-op functions (fork server)."""
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     return {"seconds": await _aio(ctx, _fn_light.noop, _fn_args(ctx), start_method="forkserver")}
 
 
 def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes + wait() of N no-op functions."""
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     return {
@@ -99,7 +99,7 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
 def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     """torch.multiprocessing.start_processes(join=True) of N no-op functions."""
     mp = torch_mp()
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     start = now_ns()

@@ -9,7 +9,7 @@ has seen the failure and acted on it.
 
 from __future__ import annotations
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import TORCH_PRELOAD
 
 _M = "benchmarks.measures._failjob"

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import _bin
-from benchmarks._spec import Group, Measure, Metric, RepContext, Row, System
 from benchmarks._util import cpu_seconds, make_fifo, thread_count, wait_ready
+from benchmarks.harness._spec import Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import NAME, aio_core, aio_std, envs_for, log_dir, wait_ready_async
+from benchmarks.programs import _bin
 
 CPU = Metric("cpu", "ms CPU", scale=1000.0)
 THREADS = Metric("threads", "threads")

@@ -13,7 +13,7 @@ close(g): N running SIGTERM-ignoring binaries, from the call to ``close`` with g
 
 from __future__ import annotations
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import TORCH_PRELOAD
 
 _M = "benchmarks.measures._failjob"

@@ -1,6 +1,6 @@
 """A fresh supervisor for one memory sample of the scale measure.
 
-``python -m benchmarks._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports
+``python -m benchmarks.programs._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports
 torch (as a training controller has, and so that both sides start from the same heap) and
 its side, runs one warm-up group of one worker (so the watchdog, fork servers and first-use
 allocations exist), reads the supervisor tree's memory, starts N workers that sleep, reads

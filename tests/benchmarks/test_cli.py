@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._harness import Series
-from benchmarks._report import build_rows, check_claims, render_table, summarise
-from benchmarks._run_dir import filesystem_of
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.harness._report import build_rows, check_claims, render_table, summarise
+from benchmarks.harness._run import Series
+from benchmarks.harness._run_dir import filesystem_of
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, Row, System
 from benchmarks.measures._common import Capture, count_lines
 
 # The harness times torch's side of every row: it needs torch.
 pytestmark = pytest.mark.torch
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(
@@ -214,7 +214,7 @@ def test_timeouts_count_as_infinite_and_make_the_ratio_a_bound() -> None:
 def test_higher_is_better_inverts_the_ratio() -> None:
     rate = Metric("seconds", "lines/s", higher_is_better=True)
     ours, theirs = _series("a", [300.0]), _series("b", [100.0])
-    from benchmarks._report import ratio
+    from benchmarks.harness._report import ratio
 
     value, bound = ratio(summarise(ours, rate), summarise(theirs, rate), rate)
     assert value == pytest.approx(3.0)
@@ -366,7 +366,7 @@ def test_write_readme_regenerates_the_tables_between_markers_only(tmp_path: Path
 
 
 def test_write_readme_refuses_a_file_without_markers(tmp_path: Path) -> None:
-    from benchmarks._report import replace_between_markers
+    from benchmarks.harness._report import replace_between_markers
 
     with pytest.raises(
         ValueError, match=re.escape("markers <!-- x:start --> ... <!-- x:end --> not")
@@ -421,7 +421,7 @@ def test_every_row_names_systems_of_its_group_and_a_metric_of_its_measure() -> N
 
 
 def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
-    from benchmarks._scale_mem import children, rss_kb, tree_kb
+    from benchmarks.programs._scale_mem import children, rss_kb, tree_kb
 
     worker = subprocess.Popen(["/bin/sleep", "60"])
     try:
@@ -441,7 +441,7 @@ def test_supervisor_tree_memory_leaves_out_the_workers() -> None:
 
 @pytest.mark.timeout(30)
 def test_the_scale_figure_reads_each_panel_from_its_own_measure_and_metric() -> None:
-    from benchmarks._plots import _curves
+    from benchmarks.harness._plots import _curves
 
     results = [
         _series(
@@ -461,7 +461,7 @@ def test_the_scale_figure_reads_each_panel_from_its_own_measure_and_metric() -> 
 def test_no_scale_figure_is_drawn_from_a_run_without_the_scale_measures(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from benchmarks._plots import plot_scale
+    from benchmarks.harness._plots import plot_scale
 
     path = tmp_path / "scale.png"
     startup_only = [
@@ -488,7 +488,7 @@ def test_the_scale_figure_of_the_committed_run_is_drawn(tmp_path: Path) -> None:
 
 
 def test_multinode_is_measure_k_and_quick_runs_only_its_exit_and_sigterm_cases() -> None:
-    from benchmarks._harness import Plan
+    from benchmarks.harness._run import Plan
     from benchmarks.measures import all_measures, multinode
 
     letters = [m.letter for m in all_measures()]

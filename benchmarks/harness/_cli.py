@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import ROOT, Harness, Plan, Series
-from benchmarks._plots import plot, plot_scale
-from benchmarks._reaper import become_subreaper, reap_all
-from benchmarks._report import (
+from benchmarks.harness._plots import plot, plot_scale
+from benchmarks.harness._reaper import become_subreaper, reap_all
+from benchmarks.harness._report import (
     build_rows,
     check_claims,
     render_headlines,
@@ -35,8 +34,9 @@ from benchmarks._report import (
     replace_between_markers,
     run_line,
 )
-from benchmarks._run_dir import SHM, filesystem_of, run_parent
-from benchmarks._spec import Measure
+from benchmarks.harness._run import ROOT, Harness, Plan, Series
+from benchmarks.harness._run_dir import SHM, filesystem_of, run_parent
+from benchmarks.harness._spec import Measure
 from benchmarks.measures import all_measures
 
 
