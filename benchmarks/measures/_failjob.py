@@ -23,7 +23,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._util import make_fifo, now_ns, read_stamp, read_stamps, seconds, wait_ready
 from benchmarks.harness._spec import RepContext, RepTimeout
 from benchmarks.measures._common import (
     NAME,
@@ -33,9 +32,10 @@ from benchmarks.measures._common import (
     log_dir,
     preload_torch_if_asked,
     torch_mp,
-    wait_ready_async,
 )
 from benchmarks.programs import _bin
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
+from benchmarks.programs._ready import make_fifo, wait_ready, wait_ready_async
 
 
 class Watchdog:

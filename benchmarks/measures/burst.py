@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._util import seconds
 from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks.programs import _fn_light
+from benchmarks.programs._clock import seconds
 
 LATENESS = Metric("lateness", "ms worst loop lateness", scale=1000.0)
 #: The same lateness without the moments the loop's thread waited for a core (its run

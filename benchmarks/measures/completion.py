@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks._util import now_ns, seconds
 from benchmarks.harness._spec import SECONDS, Group, Measure, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
@@ -22,6 +21,7 @@ from benchmarks.measures._common import (
     preload_torch_if_asked,
     torch_mp,
 )
+from benchmarks.programs._clock import now_ns, seconds
 
 TRUE = "/bin/true"
 

@@ -28,7 +28,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._util import free_port, now_ns, read_stamp, read_stamps, seconds
 from benchmarks.harness._spec import (
     SECONDS,
     Group,
@@ -40,6 +39,7 @@ from benchmarks.harness._spec import (
     Row,
     System,
 )
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
 
 #: The worker programs run as scripts (see :mod:`benchmarks.programs`).
 PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
@@ -56,6 +56,8 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
     if ctx.params.get("standalone"):
         rendezvous = ["--standalone"]
     else:
+        from aioelastic import free_port
+
         rendezvous = ["--master-port", str(free_port())]
     command = [
         sys.executable,

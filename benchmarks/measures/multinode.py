@@ -57,7 +57,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioelastic._core.process._platform import proc_stat
-from benchmarks._util import free_port, make_fifo, now_ns, read_stamp, seconds
 from benchmarks.harness._spec import (
     Group,
     Measure,
@@ -68,6 +67,8 @@ from benchmarks.harness._spec import (
     Row,
     System,
 )
+from benchmarks.programs._clock import now_ns, read_stamp, seconds
+from benchmarks.programs._ready import make_fifo
 
 JOB = Path(__file__).resolve().parents[1] / "programs" / "_multinode_job.py"
 NODES = 3
@@ -139,6 +140,8 @@ def _command(ctx: RepContext, module: str, node: int, endpoint: str, run_id: str
 
 def _start(ctx: RepContext, module: str, nodes: list[_Node]) -> None:
     """Start the launchers, each added to ``nodes`` as soon as it runs (for the cleanup)."""
+    from aioelastic import free_port
+
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:12]
     for index in range(NODES):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-from benchmarks._util import free_port, make_fifo, now_ns, read_stamp, read_stamps, seconds
 from benchmarks.harness._spec import (
     SECONDS,
     Group,
@@ -28,6 +27,8 @@ from benchmarks.harness._spec import (
     System,
 )
 from benchmarks.measures._common import aio, aio_core, set_stdlib_forkserver_preload
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
+from benchmarks.programs._ready import make_fifo
 
 PRELOAD = ("torch",)
 #: What a knowledgeable torch user preloads: torch, the worker's own module and the module
@@ -52,6 +53,8 @@ def _outcome(ctx: RepContext) -> dict[str, float]:
 
 
 def _common(ctx: RepContext) -> dict[str, object]:
+    from aioelastic import free_port
+
     make_fifo(ctx.workdir / "ready")
     return {
         "min_nodes": 1,

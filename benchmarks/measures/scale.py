@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any
 
-from benchmarks._util import now_ns, seconds
 from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import NAME, aio_core, aio_std, check_success, envs_for, log_dir
 from benchmarks.measures.binary import PER_WORKER, _torch_loaded
+from benchmarks.programs._clock import now_ns, seconds
 
 TRUE = "/bin/true"
 KB_PER_WORKER = Metric("kb_per_worker", "kB per worker")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks._util import now_ns, read_stamps, seconds
 from benchmarks.harness._spec import SECONDS, Group, Kind, Measure, Params, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
@@ -26,6 +25,7 @@ from benchmarks.measures._common import (
     torch_mp,
 )
 from benchmarks.programs import _bin
+from benchmarks.programs._clock import now_ns, read_stamps, seconds
 
 PRELOAD = ("torch",)
 #: What a knowledgeable user preloads: torch and the worker's own module; torch's side also

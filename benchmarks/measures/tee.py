@@ -21,7 +21,6 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks._util import read_stamps, seconds
 from benchmarks.harness._spec import Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import (
     LINE,
@@ -36,6 +35,7 @@ from benchmarks.measures._common import (
     log_dir,
 )
 from benchmarks.programs import _bin
+from benchmarks.programs._clock import read_stamps, seconds
 
 RATE = Metric("lines_per_s", "lines/s", higher_is_better=True)
 LOST = Metric("lost", "lines lost", ratio=False)

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
-from benchmarks._util import WORKER_TTL_S
+from benchmarks.programs._clock import WORKER_TTL_S
 
 SLEEP = "/bin/sleep"
 
