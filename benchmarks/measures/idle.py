@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from benchmarks.harness._spec import Group, Measure, Metric, RepContext, Row, System
+from benchmarks.harness._spec import Group, Measure, Metric, RepContext
 from benchmarks.measures._common import NAME, aio_core, aio_std, envs_for, log_dir
+from benchmarks.measures._systems import binary_pair, binary_row
 from benchmarks.programs import _bin
 from benchmarks.programs._ready import make_fifo, wait_ready, wait_ready_async
 
@@ -103,11 +104,8 @@ _M = "benchmarks.measures.idle"
 def _group(name: str, tee: bool, reps: int) -> Group:
     return Group(
         name=name,
-        systems=(
-            System("aioelastic/binary", "aioelastic", f"{_M}:aio"),
-            System("torch.elastic/binary", "torch", f"{_M}:torch_elastic"),
-        ),
-        rows=(Row(name, "aioelastic/binary", "torch.elastic/binary", headline_n=16),),
+        systems=binary_pair(_M, "aio", "torch_elastic"),
+        rows=(binary_row(name, headline_n=16),),
         ns=(16,),
         quick_ns=(4,),
         default_reps=reps,

@@ -24,6 +24,7 @@ from benchmarks.measures._common import (
     set_stdlib_forkserver_preload,
     torch_mp,
 )
+from benchmarks.measures._systems import binary_pair, binary_row
 from benchmarks.programs import _bin
 from benchmarks.programs._clock import now_ns, read_stamps, seconds
 
@@ -305,11 +306,8 @@ MEASURE = Measure(
         ),
         Group(
             name="bin",
-            systems=(
-                System(f"{_AIO}/binary", "aioelastic", f"{_M}:aio_bin"),
-                System(f"{_EL}/binary", "torch", f"{_M}:torch_elastic_bin"),
-            ),
-            rows=(Row("bin python -S", f"{_AIO}/binary", f"{_EL}/binary"),),
+            systems=binary_pair(_M),
+            rows=(binary_row("bin python -S"),),
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(1, 2),
             default_reps=5,
