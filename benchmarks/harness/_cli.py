@@ -37,7 +37,6 @@ from benchmarks.harness._report import (
 from benchmarks.harness._run import ROOT, Harness, Plan, Series
 from benchmarks.harness._run_dir import SHM, filesystem_of, run_parent
 from benchmarks.harness._spec import Measure
-from benchmarks.measures import all_measures
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -214,10 +213,9 @@ def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the suite; see ``python -m benchmarks --help``."""
+def main(measures: list[Measure], argv: list[str] | None = None) -> int:
+    """Run the suite of ``measures``; see ``python -m benchmarks --help``."""
     args_list = sys.argv[1:] if argv is None else argv
-    measures = all_measures()
     args = _parser(measures).parse_args(args_list)
     if args.record:
         if args.quick or args.from_json or args.only or args.ns or args.reps:

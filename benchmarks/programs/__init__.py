@@ -5,5 +5,5 @@ by file path (``_gloo.py``, ``_trivial.py``, ``_multinode_job.py``: training scr
 ``torchrun`` / ``aioelastic-run``, importing nothing from the project), as ``python -S -c``
 code (``_bin``), or as functions a fork server preloads and unpickles (``_fn_light``,
 ``_fn_torch``: their module names are in the measures' preload lists). Nothing here
-imports the harness, the measures or aioelastic.
+imports the harness or the measures.
 """
