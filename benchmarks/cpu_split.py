@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable
 
 from aioelastic._core.process._platform import children_of, proc_stat
-from benchmarks._run_dir import run_parent
+from benchmarks.harness._run_dir import run_parent
 from benchmarks.measures.binary import TRUE, spawn_and_reap
 
 _TICK = os.sysconf("SC_CLK_TCK")

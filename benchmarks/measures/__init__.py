@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks._spec import Measure
+from benchmarks.harness._spec import Measure
 from benchmarks.measures import (
     binary,
     burst,

@@ -1,7 +1,7 @@
 """Pieces the measures share: lazy imports of each side, and the console capture.
 
 aioelastic's modules are imported lazily and a missing one raises
-:class:`~benchmarks._spec.NotAvailable`, so that a measure whose aioelastic side has not
+:class:`~benchmarks.harness._spec.NotAvailable`, so that a measure whose aioelastic side has not
 landed yet reports ``n/a`` instead of failing the suite.
 """
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
-from benchmarks._spec import NotAvailable, RepContext
-from benchmarks._util import now_ns
+from benchmarks.harness._spec import NotAvailable, RepContext
+from benchmarks.programs._clock import now_ns
 
 #: The ``name`` every system gives its workers; tee'd lines start with ``[bench{rank}]:``.
 NAME = "bench"
@@ -98,28 +98,6 @@ def check_failure(result: Any, who: str) -> None:
     """Raise if a run that should have failed did not."""
     if result is None or not result.is_failed():
         raise RuntimeError(f"{who}: expected a failed run, got {result!r}")
-
-
-async def wait_ready_async(path: str, count: int) -> None:
-    """:func:`benchmarks._util.wait_ready` on the event loop, without a thread.
-
-    A helper thread would show up in the supervisor's thread count, which the idle
-    measure reports, so the FIFO is read non-blocking and awaited for readability.
-    """
-    import anyio
-
-    if count <= 0:
-        return
-    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    try:
-        got = 0
-        while got < count:
-            try:
-                got += len(os.read(fd, count - got))
-            except BlockingIOError:
-                await anyio.wait_readable(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass

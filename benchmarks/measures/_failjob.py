@@ -23,9 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _bin
-from benchmarks._spec import RepContext, RepTimeout
-from benchmarks._util import make_fifo, now_ns, read_stamp, read_stamps, seconds, wait_ready
+from benchmarks.harness._spec import RepContext, RepTimeout
 from benchmarks.measures._common import (
     NAME,
     aio_core,
@@ -34,8 +32,10 @@ from benchmarks.measures._common import (
     log_dir,
     preload_torch_if_asked,
     torch_mp,
-    wait_ready_async,
 )
+from benchmarks.programs import _bin
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
+from benchmarks.programs._ready import make_fifo, wait_ready, wait_ready_async
 
 
 class Watchdog:
@@ -84,7 +84,7 @@ def _outcome(ctx: RepContext, done: int) -> dict[str, float]:
     if ctx.n > 1 and not ctx.params["ignore_term"]:
         # Every sibling stamped its SIGTERM before it died, and both systems return only
         # once the siblings are gone: the first stamp is when the failure was acted on.
-        # (See benchmarks._fn_light.stamp_on_term.)
+        # (See benchmarks.programs._fn_light.stamp_on_term.)
         told = read_stamps(ctx.workdir, "term", ctx.n, first=1)
         outcome["detected"] = seconds(min(told) - failed)
     return outcome
@@ -137,7 +137,7 @@ async def aio_bin(ctx: RepContext) -> dict[str, float]:
 async def aio_fn(ctx: RepContext) -> dict[str, float]:
     """aioelastic: function workers (warm fork server), wait() until the failure is in hand."""
     core = aio_core()
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     async with core.start_processes(
         name=NAME,
@@ -187,7 +187,7 @@ def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
 
 def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic: function workers (fork server), default wait()."""
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     return _torch_elastic(ctx, _fn_light.fail_or_sleep, _fn_args(ctx), start_method="forkserver")
@@ -196,7 +196,7 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
 def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     """torch.multiprocessing: join(grace_period=grace) until it raises the failure."""
     mp = torch_mp()
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     args = _fn_args(ctx)[0][1:]

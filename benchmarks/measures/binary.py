@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
-from benchmarks._util import now_ns, seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
     aio_core,
@@ -32,6 +31,7 @@ from benchmarks.measures._common import (
     envs_for,
     log_dir,
 )
+from benchmarks.programs._clock import now_ns, seconds
 
 TRUE = "/bin/true"
 PER_WORKER = Metric("per_worker", "ms", scale=1000.0)

@@ -27,9 +27,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import _fn_light
-from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
-from benchmarks._util import seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
+from benchmarks.programs import _fn_light
+from benchmarks.programs._clock import seconds
 
 LATENESS = Metric("lateness", "ms worst loop lateness", scale=1000.0)
 #: The same lateness without the moments the loop's thread waited for a core (its run
@@ -106,7 +106,7 @@ def _group_jobs(ctx: RepContext, kind: str, lines: int, stream: bool) -> list[An
                 "entrypoint": _fn_light.noop,
                 "args": {r: (r, str(ctx.workdir)) for r in range(size)},
                 "start_method": "forkserver",
-                "forkserver_preload": ("benchmarks._fn_light",),
+                "forkserver_preload": ("benchmarks.programs._fn_light",),
             }
         async with aioelastic.start_processes(
             name=f"burst{k}",

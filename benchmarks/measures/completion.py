@@ -10,11 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks._spec import SECONDS, Group, Measure, RepContext, Row, System
-from benchmarks._util import now_ns, seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, RepContext
 from benchmarks.measures._common import (
     NAME,
-    TORCH_PRELOAD,
     aio_core,
     check_success,
     envs_for,
@@ -22,6 +20,8 @@ from benchmarks.measures._common import (
     preload_torch_if_asked,
     torch_mp,
 )
+from benchmarks.measures._systems import binary_pair, binary_row, forkserver_rows, forkserver_trio
+from benchmarks.programs._clock import now_ns, seconds
 
 TRUE = "/bin/true"
 
@@ -81,14 +81,14 @@ def torch_elastic_bin(ctx: RepContext) -> dict[str, float]:
 
 async def aio_fn(ctx: RepContext) -> dict[str, float]:
     """aioelastic run_processes of N no-op functions (fork server)."""
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     return {"seconds": await _aio(ctx, _fn_light.noop, _fn_args(ctx), start_method="forkserver")}
 
 
 def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes + wait() of N no-op functions."""
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     return {
@@ -99,7 +99,7 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
 def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     """torch.multiprocessing.start_processes(join=True) of N no-op functions."""
     mp = torch_mp()
-    from benchmarks import _fn_light
+    from benchmarks.programs import _fn_light
 
     preload_torch_if_asked(ctx)
     start = now_ns()
@@ -124,28 +124,16 @@ MEASURE = Measure(
     groups=(
         Group(
             name="bin",
-            systems=(
-                System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
-                System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
-            ),
-            rows=(Row("bin /bin/true", "aioelastic/binary", "torch.elastic/binary", headline_n=8),),
+            systems=binary_pair(_M),
+            rows=(binary_row("bin /bin/true", headline_n=8),),
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(2,),
             default_reps=5,
         ),
         Group(
             name="fn",
-            systems=(
-                System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System(
-                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
-                ),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
-            ),
-            rows=(
-                Row("fn no-op forkserver", "aioelastic/forkserver", "torch.elastic/forkserver"),
-                Row("fn no-op forkserver", "aioelastic/forkserver", "torch.mp/forkserver"),
-            ),
+            systems=forkserver_trio(_M),
+            rows=forkserver_rows("fn no-op forkserver"),
             ns=(1, 4, 16),
             quick_ns=(2,),
             default_reps=5,

@@ -9,8 +9,8 @@ has seen the failure and acted on it.
 
 from __future__ import annotations
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
-from benchmarks.measures._common import TORCH_PRELOAD
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric
+from benchmarks.measures._systems import binary_pair, binary_row, forkserver_rows, forkserver_trio
 
 _M = "benchmarks.measures._failjob"
 DETECTED = Metric("detected", "ms", scale=1000.0)
@@ -30,11 +30,8 @@ MEASURE = Measure(
     groups=(
         Group(
             name="bin",
-            systems=(
-                System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
-                System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
-            ),
-            rows=(Row("bin", "aioelastic/binary", "torch.elastic/binary", headline_n=1),),
+            systems=binary_pair(_M),
+            rows=(binary_row("bin", headline_n=1),),
             ns=(1, 4, 8, 16),
             quick_ns=(2,),
             default_reps=7,
@@ -45,22 +42,8 @@ MEASURE = Measure(
         ),
         Group(
             name="fn",
-            systems=(
-                System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System(
-                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
-                ),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
-            ),
-            rows=(
-                Row(
-                    "fn forkserver",
-                    "aioelastic/forkserver",
-                    "torch.elastic/forkserver",
-                    headline_n=1,
-                ),
-                Row("fn forkserver", "aioelastic/forkserver", "torch.mp/forkserver"),
-            ),
+            systems=forkserver_trio(_M),
+            rows=forkserver_rows("fn forkserver", headline_n=1),
             ns=(1, 4, 8, 16),
             quick_ns=(2,),
             default_reps=7,

@@ -16,8 +16,8 @@ import os
 import signal
 import sys
 
-from benchmarks._spec import SECONDS, Group, Measure, RepContext, Row, System
-from benchmarks._util import now_ns, read_stamps, seconds, write_stamp
+from benchmarks.harness._spec import SECONDS, Group, Measure, RepContext, Row, System
+from benchmarks.programs._clock import now_ns, read_stamps, seconds, write_stamp
 
 
 def _spawn_and_reap(argv: list[str], n: int) -> dict[str, float]:

@@ -10,15 +10,35 @@ start and the end of the window). tee: every stream of every rank tee'd to the c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from benchmarks import _bin
-from benchmarks._spec import Group, Measure, Metric, RepContext, Row, System
-from benchmarks._util import cpu_seconds, make_fifo, thread_count, wait_ready
-from benchmarks.measures._common import NAME, aio_core, aio_std, envs_for, log_dir, wait_ready_async
+from benchmarks.harness._spec import Group, Measure, Metric, RepContext
+from benchmarks.measures._common import NAME, aio_core, aio_std, envs_for, log_dir
+from benchmarks.measures._systems import binary_pair, binary_row
+from benchmarks.programs import _bin
+from benchmarks.programs._ready import make_fifo, wait_ready, wait_ready_async
 
 CPU = Metric("cpu", "ms CPU", scale=1000.0)
 THREADS = Metric("threads", "threads")
+
+
+def _thread_count() -> int:
+    """Threads of this process right now (from ``/proc/self/status``)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Threads:"):
+                return int(line.split()[1])
+    raise RuntimeError("no Threads: line in /proc/self/status")
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU time of this process (all its threads, not its children).
+
+    ``CLOCK_PROCESS_CPUTIME_ID`` has nanosecond resolution; ``os.times()`` counts in
+    clock ticks (10 ms), too coarse for an idle supervisor.
+    """
+    return time.process_time()
 
 
 def _args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
@@ -41,11 +61,11 @@ async def aio(ctx: RepContext) -> dict[str, float]:
         tee=tee,
     ) as pc:
         await wait_ready_async(str(ctx.workdir / "ready"), ctx.n)
-        threads = thread_count()
-        cpu = cpu_seconds()
+        threads = _thread_count()
+        cpu = _cpu_seconds()
         result = await pc.wait(timeout=idle)
-        cpu = cpu_seconds() - cpu
-        threads = max(threads, thread_count())
+        cpu = _cpu_seconds() - cpu
+        threads = max(threads, _thread_count())
         if result is not None:
             raise RuntimeError(f"aioelastic: the idle workers ended early: {result!r}")
     return {"cpu": cpu, "threads": threads}
@@ -66,11 +86,11 @@ def torch_elastic(ctx: RepContext) -> dict[str, float]:
     )
     try:
         wait_ready(ctx.workdir / "ready", ctx.n)
-        threads = thread_count()
-        cpu = cpu_seconds()
+        threads = _thread_count()
+        cpu = _cpu_seconds()
         result = pc.wait(timeout=idle)
-        cpu = cpu_seconds() - cpu
-        threads = max(threads, thread_count())
+        cpu = _cpu_seconds() - cpu
+        threads = max(threads, _thread_count())
     finally:
         pc.close()
     if result is not None:
@@ -84,11 +104,8 @@ _M = "benchmarks.measures.idle"
 def _group(name: str, tee: bool, reps: int) -> Group:
     return Group(
         name=name,
-        systems=(
-            System("aioelastic/binary", "aioelastic", f"{_M}:aio"),
-            System("torch.elastic/binary", "torch", f"{_M}:torch_elastic"),
-        ),
-        rows=(Row(name, "aioelastic/binary", "torch.elastic/binary", headline_n=16),),
+        systems=binary_pair(_M, "aio", "torch_elastic"),
+        rows=(binary_row(name, headline_n=16),),
         ns=(16,),
         quick_ns=(4,),
         default_reps=reps,

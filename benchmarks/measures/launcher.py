@@ -3,8 +3,8 @@
 Each repetition runs ``python -m aioelastic.run`` or ``python -m torch.distributed.run``
 with ``--nproc-per-node N`` and either ``--standalone`` (the documented single-node form;
 a free port, no clash with a neighbour's 29500) or ``--master-port PORT`` (the static
-rendezvous, torchrun's default backend), and :mod:`benchmarks._trivial`, which stamps the
-clock and exits, or :mod:`benchmarks._gloo` (import torch, gloo process group, barrier).
+rendezvous, torchrun's default backend), and :mod:`benchmarks.programs._trivial`, which stamps the
+clock and exits, or :mod:`benchmarks.programs._gloo` (import torch, gloo process group, barrier).
 *seconds*: launch to the launcher's exit; *to user code*: launch to the last worker's stamp
 (for the real script: the last rank past the barrier). The floor for comparison is one
 ``python -S`` start per process (see ``floor``).
@@ -28,7 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks._spec import (
+from benchmarks.harness._spec import (
     SECONDS,
     Group,
     Measure,
@@ -39,11 +39,13 @@ from benchmarks._spec import (
     Row,
     System,
 )
-from benchmarks._util import free_port, now_ns, read_stamp, read_stamps, seconds
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
 
+#: The worker programs run as scripts (see :mod:`benchmarks.programs`).
+PROGRAMS = Path(__file__).resolve().parents[1] / "programs"
 SCRIPTS = {
-    "trivial": Path(__file__).resolve().parent.parent / "_trivial.py",
-    "gloo": Path(__file__).resolve().parent.parent / "_gloo.py",
+    "trivial": PROGRAMS / "_trivial.py",
+    "gloo": PROGRAMS / "_gloo.py",
 }
 TO_USER = Metric("to_user", "ms to user code", scale=1000.0)
 RESTART = Metric("restart", "ms failure to barrier", scale=1000.0)
@@ -54,6 +56,8 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
     if ctx.params.get("standalone"):
         rendezvous = ["--standalone"]
     else:
+        from aioelastic import free_port
+
         rendezvous = ["--master-port", str(free_port())]
     command = [
         sys.executable,

@@ -4,7 +4,7 @@ Each repetition starts three launchers of one job on this machine, node i on 127
 (``--nnodes 3 --nproc-per-node N --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT
 --local-addr 127.0.0.(i+1)``, ``--rdzv-conf is_host=1`` for node 0, the store's host, and
 ``is_host=0`` for the others), each in a session of its own as on separate machines, all
-running :mod:`benchmarks._multinode_job`. Once every rank said ready (a FIFO), one of:
+running :mod:`benchmarks.programs._multinode_job`. Once every rank said ready (a FIFO), one of:
 
 - ``exit``: the last rank of node 2 exits 7 while every other rank blocks silently, as
   NCCL ranks do when a peer dies; ``--max-restarts 0``. Time: the failing rank's stamp,
@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aioelastic._core.process._platform import proc_stat
-from benchmarks._spec import (
+from benchmarks.harness._spec import (
     Group,
     Measure,
     Metric,
@@ -67,9 +67,10 @@ from benchmarks._spec import (
     Row,
     System,
 )
-from benchmarks._util import free_port, make_fifo, now_ns, read_stamp, seconds
+from benchmarks.programs._clock import now_ns, read_stamp, seconds
+from benchmarks.programs._ready import make_fifo
 
-JOB = Path(__file__).resolve().parent.parent / "_multinode_job.py"
+JOB = Path(__file__).resolve().parents[1] / "programs" / "_multinode_job.py"
 NODES = 3
 #: The node whose rank fails (``exit``, ``gloo``) or that is SIGKILLed (``kill``), and the
 #: one stopped by SIGTERM (``term``): neither hosts the store, which would take the
@@ -139,6 +140,8 @@ def _command(ctx: RepContext, module: str, node: int, endpoint: str, run_id: str
 
 def _start(ctx: RepContext, module: str, nodes: list[_Node]) -> None:
     """Start the launchers, each added to ``nodes`` as soon as it runs (for the cleanup)."""
+    from aioelastic import free_port
+
     endpoint = f"127.0.0.1:{free_port()}"
     run_id = uuid.uuid4().hex[:12]
     for index in range(NODES):

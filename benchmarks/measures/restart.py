@@ -3,7 +3,7 @@
 One single-node elastic job per repetition, through each side's ``elastic_launch`` (torch's
 drives its ``LocalElasticAgent``): static rendezvous on 127.0.0.1, ``max_restarts=1``,
 ``monitor_interval=0.1`` (torchrun's default). Workers are functions whose module imports
-torch (:func:`benchmarks._fn_torch.restart`): on attempt 0, local rank 0 exits 1 once all
+torch (:func:`benchmarks.programs._fn_torch.restart`): on attempt 0, local rank 0 exits 1 once all
 run (stamping the clock just before), the others sleep until stopped; on attempt 1 every
 worker stamps the clock as its first line and returns.
 
@@ -16,14 +16,28 @@ from __future__ import annotations
 
 import time
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Params, RepContext, Row, System
-from benchmarks._util import free_port, make_fifo, now_ns, read_stamp, read_stamps, seconds
+from benchmarks.harness._spec import (
+    SECONDS,
+    Group,
+    Measure,
+    Metric,
+    Params,
+    RepContext,
+    Row,
+    System,
+)
 from benchmarks.measures._common import aio, aio_core, set_stdlib_forkserver_preload
+from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
+from benchmarks.programs._ready import make_fifo
 
 PRELOAD = ("torch",)
 #: What a knowledgeable torch user preloads: torch, the worker's own module and the module
 #: of torch's elastic wrapper that every worker runs (``_wrap``).
-FULL_PRELOAD = ("torch", "benchmarks._fn_torch", "torch.distributed.elastic.multiprocessing.api")
+FULL_PRELOAD = (
+    "torch",
+    "benchmarks.programs._fn_torch",
+    "torch.distributed.elastic.multiprocessing.api",
+)
 
 
 def _preload(ctx: RepContext) -> tuple[str, ...]:
@@ -39,6 +53,8 @@ def _outcome(ctx: RepContext) -> dict[str, float]:
 
 
 def _common(ctx: RepContext) -> dict[str, object]:
+    from aioelastic import free_port
+
     make_fifo(ctx.workdir / "ready")
     return {
         "min_nodes": 1,
@@ -68,7 +84,7 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
     import anyio
 
     launch = aio("aioelastic._elastic.launch._elastic_launch")
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     # Our fork server imports only what it is asked to: torch's wrapper module is not ours.
     preload = tuple(m for m in _preload(ctx) if not m.startswith("torch.distributed"))
@@ -111,7 +127,7 @@ async def aio_agent(ctx: RepContext) -> dict[str, float]:
 async def _warm_start(ctx: RepContext, preload: tuple[str, ...]) -> float:
     """N workers of the restart's kind from the same warm fork server, to all in user code."""
     core = aio_core()
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     directory = ctx.workdir / "warm"
     directory.mkdir()
@@ -135,7 +151,7 @@ def torch_agent(ctx: RepContext) -> dict[str, float]:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     if _preload(ctx):
         set_stdlib_forkserver_preload(list(_preload(ctx)))

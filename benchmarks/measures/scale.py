@@ -5,7 +5,7 @@
   ``wait(period=0.01)``; the floor ``posix_spawn`` + ``waitpid``. (``binary`` (i) does the
   same with ``/bin/true``.)
 - *memory*: the supervisor tree's memory per running worker (see
-  :mod:`benchmarks._scale_mem`), N x ``/bin/sleep``, each sample in a fresh supervisor.
+  :mod:`benchmarks.programs._scale_mem`), N x ``/bin/sleep``, each sample in a fresh supervisor.
 - *groups*: K = N/4 groups of 4 ``/bin/true`` at once, to the last group's result: ours, K
   ``start_processes`` contexts in one anyio task group; torch's API is synchronous, so K
   threads each run ``start_processes`` + ``wait(period=0.01)``; the floor, N
@@ -25,10 +25,10 @@ import threading
 import time
 from typing import Any
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
-from benchmarks._util import now_ns, seconds
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
 from benchmarks.measures._common import NAME, aio_core, aio_std, check_success, envs_for, log_dir
 from benchmarks.measures.binary import PER_WORKER, _torch_loaded
+from benchmarks.programs._clock import now_ns, seconds
 
 TRUE = "/bin/true"
 KB_PER_WORKER = Metric("kb_per_worker", "kB per worker")
@@ -114,16 +114,20 @@ def torch_python(ctx: RepContext) -> dict[str, float]:
     return _metrics(ctx.n, elapsed)
 
 
+#: The program that takes one memory sample in a fresh supervisor.
+_SCALE_MEM = "benchmarks.programs._scale_mem"
+
+
 def _fresh_supervisor(ctx: RepContext, side: str) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks._scale_mem", side, str(ctx.n), str(ctx.workdir)],
+        [sys.executable, "-m", _SCALE_MEM, side, str(ctx.n), str(ctx.workdir)],
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
     if out.returncode != 0:
-        raise RuntimeError(f"benchmarks._scale_mem {side} exited {out.returncode}:\n{out.stderr}")
+        raise RuntimeError(f"{_SCALE_MEM} {side} exited {out.returncode}:\n{out.stderr}")
     sample: dict[str, float] = json.loads(out.stdout.splitlines()[-1])
     return sample
 

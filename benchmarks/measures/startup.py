@@ -1,8 +1,8 @@
 """a. Startup: from the call that starts N workers to the last of them running user code.
 
-Function workers live in a module that imports torch (:mod:`benchmarks._fn_torch`), as a
+Function workers live in a module that imports torch (:mod:`benchmarks.programs._fn_torch`), as a
 training script's do; each stamps the clock as its first line. Binary workers are
-``python -S -c`` stamping the clock (:mod:`benchmarks._bin`). The clock starts right before
+``python -S -c`` stamping the clock (:mod:`benchmarks.programs._bin`). The clock starts right before
 the start call, after every import the supervisor itself needs.
 
 The fork-server variants run after a warm-up repetition, so their server is already up
@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import _bin
-from benchmarks._spec import SECONDS, Group, Kind, Measure, Params, RepContext, Row, System
-from benchmarks._util import now_ns, read_stamps, seconds
+from benchmarks.harness._spec import SECONDS, Group, Kind, Measure, Params, RepContext, Row, System
 from benchmarks.measures._common import (
     NAME,
     aio_core,
@@ -26,11 +24,14 @@ from benchmarks.measures._common import (
     set_stdlib_forkserver_preload,
     torch_mp,
 )
+from benchmarks.measures._systems import binary_pair, binary_row
+from benchmarks.programs import _bin
+from benchmarks.programs._clock import now_ns, read_stamps, seconds
 
 PRELOAD = ("torch",)
 #: What a knowledgeable user preloads: torch and the worker's own module; torch's side also
 #: the module of its elastic wrapper that every worker runs (``_wrap``).
-OURS_FULL = ("torch", "benchmarks._fn_torch")
+OURS_FULL = ("torch", "benchmarks.programs._fn_torch")
 TORCH_FULL = (*OURS_FULL, "torch.distributed.elastic.multiprocessing.api")
 
 
@@ -68,7 +69,7 @@ def _fn_args(ctx: RepContext) -> dict[int, tuple[Any, ...]]:
 async def aio_fn(ctx: RepContext) -> dict[str, float]:
     """aioelastic start_processes with a torch-importing function."""
     core = aio_core()
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     preload = _preload(ctx, OURS_FULL)
     if ctx.params.get("cold"):
@@ -92,7 +93,7 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
     """torch.distributed.elastic start_processes with a torch-importing function."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, start_processes
 
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     if ctx.params.get("preload"):
         set_stdlib_forkserver_preload(list(_preload(ctx, TORCH_FULL)))
@@ -119,7 +120,7 @@ def torch_elastic_fn(ctx: RepContext) -> dict[str, float]:
 def torch_mp_fn(ctx: RepContext) -> dict[str, float]:
     """torch.multiprocessing.start_processes with a torch-importing function."""
     mp = torch_mp()
-    from benchmarks import _fn_torch
+    from benchmarks.programs import _fn_torch
 
     if ctx.params.get("preload"):
         set_stdlib_forkserver_preload(list(PRELOAD))
@@ -305,11 +306,8 @@ MEASURE = Measure(
         ),
         Group(
             name="bin",
-            systems=(
-                System(f"{_AIO}/binary", "aioelastic", f"{_M}:aio_bin"),
-                System(f"{_EL}/binary", "torch", f"{_M}:torch_elastic_bin"),
-            ),
-            rows=(Row("bin python -S", f"{_AIO}/binary", f"{_EL}/binary"),),
+            systems=binary_pair(_M),
+            rows=(binary_row("bin python -S"),),
             ns=(1, 2, 4, 8, 16, 32),
             quick_ns=(1, 2),
             default_reps=5,

@@ -13,8 +13,8 @@ close(g): N running SIGTERM-ignoring binaries, from the call to ``close`` with g
 
 from __future__ import annotations
 
-from benchmarks._spec import SECONDS, Group, Measure, Metric, Row, System
-from benchmarks.measures._common import TORCH_PRELOAD
+from benchmarks.harness._spec import SECONDS, Group, Measure, Metric
+from benchmarks.measures._systems import binary_pair, binary_row, forkserver_rows, forkserver_trio
 
 _M = "benchmarks.measures._failjob"
 _PARAMS = {"ignore_term": True, "grace": 0.5, "limit": 5.0, "jitter": 0.0}
@@ -36,17 +36,8 @@ MEASURE = Measure(
     groups=(
         Group(
             name="fn-after-failure",
-            systems=(
-                System("aioelastic/forkserver", "aioelastic", f"{_M}:aio_fn"),
-                System(
-                    "torch.elastic/forkserver", "torch", f"{_M}:torch_elastic_fn", TORCH_PRELOAD
-                ),
-                System("torch.mp/forkserver", "torch", f"{_M}:torch_mp_fn", TORCH_PRELOAD),
-            ),
-            rows=(
-                Row("fn after failure", "aioelastic/forkserver", "torch.elastic/forkserver"),
-                Row("fn after failure", "aioelastic/forkserver", "torch.mp/forkserver"),
-            ),
+            systems=forkserver_trio(_M),
+            rows=forkserver_rows("fn after failure"),
             ns=(2, 8),
             quick_ns=(2,),
             default_reps=3,
@@ -56,13 +47,8 @@ MEASURE = Measure(
         ),
         Group(
             name="bin-after-failure",
-            systems=(
-                System("aioelastic/binary", "aioelastic", f"{_M}:aio_bin"),
-                System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_bin"),
-            ),
-            rows=(
-                Row("bin after failure", "aioelastic/binary", "torch.elastic/binary", headline_n=8),
-            ),
+            systems=binary_pair(_M),
+            rows=(binary_row("bin after failure", headline_n=8),),
             ns=(2, 8),
             quick_ns=(2,),
             default_reps=3,
@@ -73,11 +59,8 @@ MEASURE = Measure(
         ),
         Group(
             name="bin-close",
-            systems=(
-                System("aioelastic/binary", "aioelastic", f"{_M}:aio_close_bin"),
-                System("torch.elastic/binary", "torch", f"{_M}:torch_elastic_close_bin"),
-            ),
-            rows=(Row("bin close(g)", "aioelastic/binary", "torch.elastic/binary"),),
+            systems=binary_pair(_M, "aio_close_bin", "torch_elastic_close_bin"),
+            rows=(binary_row("bin close(g)"),),
             ns=(2, 8),
             quick_ns=(2,),
             default_reps=3,

@@ -21,9 +21,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks import _bin
-from benchmarks._spec import Group, Measure, Metric, RepContext, Row, System
-from benchmarks._util import read_stamps, seconds
+from benchmarks.harness._spec import Group, Measure, Metric, RepContext
 from benchmarks.measures._common import (
     LINE,
     NAME,
@@ -36,6 +34,9 @@ from benchmarks.measures._common import (
     envs_for,
     log_dir,
 )
+from benchmarks.measures._systems import binary_pair, binary_row
+from benchmarks.programs import _bin
+from benchmarks.programs._clock import read_stamps, seconds
 
 RATE = Metric("lines_per_s", "lines/s", higher_is_better=True)
 LOST = Metric("lost", "lines lost", ratio=False)
@@ -113,10 +114,7 @@ def torch_elastic(ctx: RepContext) -> dict[str, float]:
 
 
 _M = "benchmarks.measures.tee"
-_SYSTEMS = (
-    System("aioelastic/binary", "aioelastic", f"{_M}:aio"),
-    System("torch.elastic/binary", "torch", f"{_M}:torch_elastic"),
-)
+_SYSTEMS = binary_pair(_M, "aio", "torch_elastic")
 
 MEASURE = Measure(
     name="tee",
@@ -132,7 +130,7 @@ MEASURE = Measure(
         Group(
             name="throughput",
             systems=_SYSTEMS,
-            rows=(Row("throughput", "aioelastic/binary", "torch.elastic/binary", headline_n=4),),
+            rows=(binary_row("throughput", headline_n=4),),
             ns=(1, 4, 16),
             quick_ns=(2,),
             default_reps=3,
@@ -144,7 +142,7 @@ MEASURE = Measure(
         Group(
             name="latency",
             systems=_SYSTEMS,
-            rows=(Row("latency", "aioelastic/binary", "torch.elastic/binary", headline_n=16),),
+            rows=(binary_row("latency", headline_n=16),),
             ns=(1, 16),
             quick_ns=(2,),
             default_reps=3,

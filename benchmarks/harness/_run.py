@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from benchmarks._driver import REPLY_FD_ENV
-from benchmarks._spec import Group, Measure, System
+from benchmarks.harness._driver import REPLY_FD_ENV
+from benchmarks.harness._spec import Group, Measure, System
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 #: A group's first repetition waits until the machine's CPUs were at most this busy
 #: (a fraction of all of them) over one window: the previous group's processes may still
@@ -104,7 +104,7 @@ class DriverError(Exception):
 
 
 class Driver:
-    """A ``python -m benchmarks._driver`` process serving the systems of one driver name.
+    """A ``python -m benchmarks.harness._driver`` process serving the systems of one driver name.
 
     It runs in its own session so that the harness can stop it and everything it started
     in one ``killpg`` if it stops answering; its stdout and stderr go to a log file.
@@ -125,7 +125,7 @@ class Driver:
         env[REPLY_FD_ENV] = str(write_fd)
         with open(self.log_path, "wb") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "benchmarks._driver"],
+                [sys.executable, "-m", "benchmarks.harness._driver"],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,

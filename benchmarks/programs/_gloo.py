@@ -1,7 +1,7 @@
 """The real training script of the launcher measure: torch, a gloo process group, a barrier.
 
 Run by ``torchrun`` / ``aioelastic-run`` as a script, so it imports nothing from the
-project: ``python benchmarks/_gloo.py DIR [fail-once]`` imports torch, joins the job's
+project: ``python benchmarks/programs/_gloo.py DIR [fail-once]`` imports torch, joins the job's
 process group (``init_process_group("gloo")`` from the launcher's environment), passes a
 barrier and then writes ``DIR/start{LOCAL_RANK}``: the moment this rank is past the barrier.
 

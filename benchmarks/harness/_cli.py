@@ -23,10 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import ROOT, Harness, Plan, Series
-from benchmarks._plots import plot, plot_scale
-from benchmarks._reaper import become_subreaper, reap_all
-from benchmarks._report import (
+from benchmarks.harness._plots import plot, plot_scale
+from benchmarks.harness._reaper import become_subreaper, reap_all
+from benchmarks.harness._report import (
     build_rows,
     check_claims,
     render_headlines,
@@ -35,9 +34,9 @@ from benchmarks._report import (
     replace_between_markers,
     run_line,
 )
-from benchmarks._run_dir import SHM, filesystem_of, run_parent
-from benchmarks._spec import Measure
-from benchmarks.measures import all_measures
+from benchmarks.harness._run import ROOT, Harness, Plan, Series
+from benchmarks.harness._run_dir import SHM, filesystem_of, run_parent
+from benchmarks.harness._spec import Measure
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -214,10 +213,9 @@ def _meta(argv: list[str], quick: bool) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the suite; see ``python -m benchmarks --help``."""
+def main(measures: list[Measure], argv: list[str] | None = None) -> int:
+    """Run the suite of ``measures``; see ``python -m benchmarks --help``."""
     args_list = sys.argv[1:] if argv is None else argv
-    measures = all_measures()
     args = _parser(measures).parse_args(args_list)
     if args.record:
         if args.quick or args.from_json or args.only or args.ns or args.reps:

@@ -12,7 +12,8 @@ import os
 import signal
 import time
 
-from benchmarks._util import WORKER_TTL_S, signal_ready, wait_ready, write_stamp
+from benchmarks.programs._clock import WORKER_TTL_S, write_stamp
+from benchmarks.programs._ready import signal_ready, wait_ready
 
 
 def stamp(rank: int, directory: str) -> None:

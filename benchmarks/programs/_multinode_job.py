@@ -3,7 +3,7 @@
 Run by ``torchrun`` / ``aioelastic-run`` on every node as a script, so it imports nothing
 from the project::
 
-    python benchmarks/_multinode_job.py DIR WAIT FAIL_NODE
+    python benchmarks/programs/_multinode_job.py DIR WAIT FAIL_NODE
 
 ``BENCH_NODE`` (set by the benchmark in each launcher's environment, inherited by its
 workers) is the node's index, 0 for the launcher that hosts the store. Every worker first

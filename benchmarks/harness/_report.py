@@ -7,8 +7,8 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from benchmarks._harness import Series
-from benchmarks._spec import Measure, Metric
+from benchmarks.harness._run import Series
+from benchmarks.harness._spec import Measure, Metric
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The trivial training script of the launcher measure: stamp the clock, exit 0.
 
 Run by ``torchrun`` / ``aioelastic-run`` as a script, so it imports nothing from the
-project: ``python benchmarks/_trivial.py DIR`` writes ``DIR/start{LOCAL_RANK}``.
+project: ``python benchmarks/programs/_trivial.py DIR`` writes ``DIR/start{LOCAL_RANK}``.
 """
 
 import os

@@ -9,7 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from benchmarks._harness import Series
+from benchmarks.harness._run import Series
 
 #: Line style and colour by who runs the workers, the same in every panel.
 _SIDES = {

@@ -1,6 +1,6 @@
 """A fresh supervisor for one memory sample of the scale measure.
 
-``python -m benchmarks._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports
+``python -m benchmarks.programs._scale_mem SIDE N DIR`` (SIDE ``aioelastic`` or ``torch``) imports
 torch (as a training controller has, and so that both sides start from the same heap) and
 its side, runs one warm-up group of one worker (so the watchdog, fork servers and first-use
 allocations exist), reads the supervisor tree's memory, starts N workers that sleep, reads
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Collection
 from pathlib import Path
 
-from benchmarks._util import WORKER_TTL_S
+from benchmarks.programs._clock import WORKER_TTL_S
 
 SLEEP = "/bin/sleep"
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import sys
 
-from benchmarks._util import WORKER_TTL_S
+from benchmarks.programs._clock import WORKER_TTL_S
 
 CODE = f"""
 import os, sys, time, signal

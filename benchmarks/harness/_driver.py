@@ -1,6 +1,6 @@
 """A driver process: runs one system's repetitions on command from the harness.
 
-Started as ``python -m benchmarks._driver``. It reads one JSON command per line on stdin
+Started as ``python -m benchmarks.harness._driver``. It reads one JSON command per line on stdin
 (``{"op": "rep", "impl": "MODULE:FUNCTION", "n": ..., "params": ..., "workdir": ...,
 "quick": ...}`` or ``{"op": "exit"}``) and answers each repetition with one JSON line on the
 file descriptor named by ``BENCH_REPLY_FD``; its own stdout and stderr are free for what
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks._spec import NotAvailable, RepContext, RepTimeout
+from benchmarks.harness._spec import NotAvailable, RepContext, RepTimeout
 
 REPLY_FD_ENV = "BENCH_REPLY_FD"
 
