@@ -3,7 +3,7 @@
 Runs N start/wait/close cycles of 4 workers and prints the supervising process's open
 fds, resident memory and threads before and after (and the fork server's fds). The
 measuring function, :func:`workloads.cycles.measure_cycles`, is the one
-``tests/test_resources.py`` asserts on, so the printed figure and the test's bounds come
+``tests/core/group/test_resources.py`` asserts on, so the printed figure and the test's bounds come
 from the same code. Run from the repository root.
 """
 

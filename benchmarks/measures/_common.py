@@ -8,6 +8,7 @@ landed yet reports ``n/a`` instead of failing the suite.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 import threading
@@ -30,6 +31,13 @@ def aio(module: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as exc:
         raise NotAvailable(f"{module} is not importable yet ({exc})") from exc
+
+
+def runnable(module: str) -> str:
+    """``module``, for ``python -m``, or raise NotAvailable when it cannot be found."""
+    if importlib.util.find_spec(module) is None:
+        raise NotAvailable(f"{module} is not importable yet")
+    return module
 
 
 def aio_core() -> Any:

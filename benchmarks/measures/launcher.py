@@ -21,7 +21,6 @@ them) attempt 1 reads back, so its connect is refused or hangs (docs/benchmarks.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import subprocess
@@ -33,12 +32,12 @@ from benchmarks.harness._spec import (
     Group,
     Measure,
     Metric,
-    NotAvailable,
     Params,
     RepContext,
     Row,
     System,
 )
+from benchmarks.measures._common import runnable
 from benchmarks.programs._clock import now_ns, read_stamp, read_stamps, seconds
 
 #: The worker programs run as scripts (see :mod:`benchmarks.programs`).
@@ -92,9 +91,7 @@ def _run(ctx: RepContext, module: str) -> dict[str, float]:
 
 def aio_run(ctx: RepContext) -> dict[str, float]:
     """``python -m aioelastic.run``."""
-    if importlib.util.find_spec("aioelastic.run") is None:
-        raise NotAvailable("aioelastic.run is not importable yet")
-    return _run(ctx, "aioelastic.run")
+    return _run(ctx, runnable("aioelastic.run"))
 
 
 def torchrun(ctx: RepContext) -> dict[str, float]:

@@ -45,7 +45,6 @@ Ours runs with its defaults.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import select
 import signal
@@ -61,12 +60,12 @@ from benchmarks.harness._spec import (
     Group,
     Measure,
     Metric,
-    NotAvailable,
     RepContext,
     RepTimeout,
     Row,
     System,
 )
+from benchmarks.measures._common import runnable
 from benchmarks.programs._clock import now_ns, read_stamp, seconds
 from benchmarks.programs._ready import make_fifo
 
@@ -346,9 +345,7 @@ def _recover(ctx: RepContext, nodes: list[_Node], cap: float) -> dict[str, float
 
 def aio_run(ctx: RepContext) -> dict[str, float]:
     """Three ``python -m aioelastic.run`` launchers."""
-    if importlib.util.find_spec("aioelastic.run") is None:
-        raise NotAvailable("aioelastic.run is not importable yet")
-    return _run(ctx, "aioelastic.run")
+    return _run(ctx, runnable("aioelastic.run"))
 
 
 def torchrun(ctx: RepContext) -> dict[str, float]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -108,25 +106,6 @@ def test_a_group_without_a_rendezvous_has_no_environment() -> None:
 UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
-@pytest.fixture(scope="module")
-def _torch_store_warmed() -> None:
-    """torch opens a process-wide pipe with its first TCPStore and keeps it for good.
-
-    Made before the test's file-descriptor snapshot (module scope sets up first), so the
-    leak check sees only what the test itself leaves open.
-    """
-    torch_distributed = pytest.importorskip("torch.distributed")
-    store = torch_distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    del store
-
-
-@pytest.fixture
-def _collect_stores(_torch_store_warmed: None) -> Iterator[None]:
-    """Free the TCPStores the launch dropped before the leak check runs."""
-    yield
-    gc.collect()
-
-
 def _added(env: dict[str, str]) -> dict[str, str]:
     """What the launcher set or changed relative to this test process's environment."""
     return {k: v for k, v in env.items() if os.environ.get(k) != v}
@@ -135,7 +114,7 @@ def _added(env: dict[str, str]) -> dict[str, str]:
 @pytest.mark.torch
 @pytest.mark.asyncio
 @pytest.mark.timeout(120)
-@pytest.mark.usefixtures("_collect_stores")
+@pytest.mark.usefixtures("torch_store_warmed", "collect_stores")
 @pytest.mark.parametrize("sharing", ["agent store", "worker store"])
 async def test_workers_see_what_they_see_under_torchrun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sharing: str
