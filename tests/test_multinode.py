@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._elastic.channel._job_channel import DEAD_AFTER, STACKS_TIMEOUT
+from aioelastic._elastic.channel._liveness import DEAD_AFTER
+from aioelastic._elastic.channel._stack_gathering import STACKS_TIMEOUT
 from tests.cli_run import Launcher, wait_gone, with_env
 
 # Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
