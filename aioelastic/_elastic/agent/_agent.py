@@ -1,10 +1,11 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them.
 
-One agent runs per node. Its run (`LocalElasticAgent._invoke_run`) is a loop of attempts:
-join a rendezvous round through torch's handler (`aioelastic._elastic.rendezvous._node`) and
-take the round's worker ranks, then run one `Attempt` (`._attempt`: the workers'
-environment, their start as one group in their own ``attempt_{n}`` log directory, the
-watch, the stop), which ends with whichever comes first:
+One agent runs per node. Its run opens the log root, the rendezvous, the metrics and the
+signal handling, then goes through a loop of attempts (`._attempt_loop`): join a rendezvous
+round through torch's handler (`aioelastic._elastic.rendezvous._node`) and take the round's
+worker ranks, then run one `Attempt` (`._attempt`: the workers' environment, their start as
+one group in their own ``attempt_{n}`` log directory, the watch, the stop), which ends with
+whichever comes first:
 
 * the group's outcome (``ctx.wait()``, which returns the moment every worker succeeded or
   the first one failed, already stopped siblings included): success ends the run after the
@@ -44,32 +45,23 @@ from pathlib import Path
 import anyio
 
 from ..._core.aio._backend import require_asyncio
-from ..._core.aio._signals import SignalReceived, SignalScope, handle_signals
+from ..._core.aio._signals import SignalReceived, handle_signals
 from ..._core.group._pcontext import PContext
 from ..._core.hangs._guard import stack_requests
 from ..._core.output._std import Std
 from ..._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..._core.process._exit_status import signal_text
-from ..._core.reports._results import RunProcsResult
 from ..channel._job_stacks import JobStacks
 from ..observe._event_hub import EventHub
-from ..observe._events import (
-    AgentEvent,
-    EventStream,
-    FailureReason,
-    GroupRestarting,
-    RendezvousCompleted,
-    RunFailed,
-    RunSucceeded,
-)
+from ..observe._events import AgentEvent, EventStream, FailureReason, RunFailed
 from ..observe._metrics import observed
-from ..rendezvous._node import LocalRendezvous, NodeRendezvous, Rendezvous, RendezvousOutcome
+from ..rendezvous._node import LocalRendezvous, NodeRendezvous, Rendezvous
 from ..settings._config import AgentConfig
-from ._attempt import Attempt
+from ._attempt_loop import AttemptLoop
 from ._budget import RestartBudget
 from ._emitter import Emitter
 from ._reports import Reports, drop_if_empty, open_log_root
-from ._types import DEFAULT_ROLE, RunResult, Worker, WorkerGroup, WorkerSpec, WorkerState
+from ._types import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
 __all__ = ["LocalElasticAgent"]
 
@@ -204,9 +196,10 @@ class LocalElasticAgent:
         self._output = OutputHub()
         self._budget = RestartBudget.of(spec.max_restarts)
         self._emitter = Emitter(self._hub, self._output, spec.role, self._budget)
-        self._running: Attempt | None = None
-        self._reports = Reports(self._group, lambda: self._running)
-        self._signal_scope: SignalScope | None = None
+        self._reports = Reports(self._group, lambda: self._loop.running)
+        self._loop = AttemptLoop(
+            self._group, self._config, self._budget, self._emitter, self._output, self._reports
+        )
         self._started = False
 
     # -- public surface ----------------------------------------------------------------
@@ -292,11 +285,10 @@ class LocalElasticAgent:
             async with AsyncExitStack() as stack:
                 rdzv = await self._open(stack)
                 if not self._config.signals:
-                    return await self._invoke_run(rdzv)
+                    return await self._loop.run(rdzv, None)
                 scope = await stack.enter_async_context(handle_signals(self._config.signals))
-                self._signal_scope = scope
                 await stack.enter_async_context(scope.escalate(self._kill_now))
-                return await scope.run_until_signal(self._invoke_run(rdzv))
+                return await scope.run_until_signal(self._loop.run(rdzv, scope))
         except SignalReceived as e:
             self._group.state = WorkerState.STOPPED
             self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal_text(e.signum))
@@ -310,7 +302,6 @@ class LocalElasticAgent:
             self._emit(RunFailed, reason=FailureReason.ERROR, detail=f"{type(e).__name__}: {e}")
             raise
         finally:
-            self._signal_scope = None
             self._group.store = None
             self._hub.close()
             self._output.close()
@@ -321,7 +312,8 @@ class LocalElasticAgent:
     @property
     def _ctx(self) -> PContext | None:
         """The running attempt's group, if any."""
-        return self._running.ctx if self._running is not None else None
+        running = self._loop.running
+        return running.ctx if running is not None else None
 
     async def _open(self, stack: AsyncExitStack) -> NodeRendezvous:
         """Open the rendezvous, the metrics and the stack requests, closed by ``stack``."""
@@ -353,103 +345,6 @@ class LocalElasticAgent:
         # fresh UUID for a standalone one.
         run_id = self._config.run_id or ("none" if spec.master_port is not None else None)
         return LocalRendezvous(run_id, spec.local_addr)
-
-    async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
-        """Attempt after attempt until one succeeds or the restart budget says to stop."""
-        group = self._group
-        while True:
-            joined = await self._rendezvous(rdzv)
-            if joined is None:
-                # A spare node the job never needed: torch ends it quietly, and so do we.
-                group.state = WorkerState.SUCCEEDED
-                self._emit(RunSucceeded, global_ranks=())
-                return RunResult(WorkerState.SUCCEEDED)
-            attempt = self._running = self._next_attempt(rdzv, joined)
-            try:
-                watched = await attempt.run()
-                failed = await attempt.settle(watched) if watched.failed else None
-            finally:
-                self._running = None
-                if joined.channel is not None:
-                    joined.channel.close()
-            outcome = watched.outcome
-            if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
-                group.state = WorkerState.SUCCEEDED
-                await rdzv.exit_barrier(self._config.exit_barrier_timeout)
-                values = {
-                    group.workers[lr].global_rank: v for lr, v in outcome.return_values.items()
-                }
-                self._emit(RunSucceeded, global_ranks=tuple(sorted(values)))
-                return RunResult(WorkerState.SUCCEEDED, return_values=values)
-            if failed is not None:
-                return failed
-            reason = watched.stop_reason
-            delay = self._budget.restart(reason, self._spec.restart_backoff)
-            self._emit(
-                GroupRestarting,
-                reason=reason,
-                delay=delay,
-                restarts_left=self._budget.remaining,
-            )
-            if delay > 0:
-                await anyio.sleep(delay)
-
-    def _next_attempt(self, rdzv: NodeRendezvous, joined: RendezvousOutcome) -> Attempt:
-        """The next attempt, after the round ``joined``."""
-        assert self._reports.log_root is not None
-        return Attempt(
-            group=self._group,
-            config=self._config,
-            budget=self._budget,
-            emitter=self._emitter,
-            output=self._output,
-            rdzv=rdzv,
-            channel=joined.channel,
-            log_root=self._reports.log_root,
-            signals=self._signal_scope,
-            tell_stall=self._reports.stall,
-            capture=self._reports.capture,
-        )
-
-    async def _rendezvous(self, rdzv: NodeRendezvous) -> RendezvousOutcome | None:
-        """Join the next round and take its ranks; None when this node is not needed."""
-        spec = self._spec
-        group = self._group
-        # A fixed port without an address is torchrun's static single node: 127.0.0.1.
-        master_addr = spec.master_addr
-        if master_addr is None and spec.master_port is not None:
-            master_addr = "127.0.0.1"
-        outcome = await rdzv.next_rendezvous(
-            spec.role, spec.local_world_size, master_addr=master_addr, master_port=spec.master_port
-        )
-        if outcome is None:
-            return None
-        self._budget.agree(outcome.restart_count)
-        group.store = outcome.store
-        group.group_rank = outcome.group_rank
-        group.group_world_size = outcome.group_world_size
-        group.master_addr = outcome.master_addr
-        group.master_port = outcome.master_port
-        group.workers = [
-            Worker(
-                local_rank=lr,
-                global_rank=outcome.base_global_rank + lr,
-                role_rank=outcome.base_role_rank + lr,
-                world_size=outcome.world_size,
-                role_world_size=outcome.role_world_size,
-            )
-            for lr in range(spec.local_world_size)
-        ]
-        self._emit(
-            RendezvousCompleted,
-            group_rank=outcome.group_rank,
-            group_world_size=outcome.group_world_size,
-            world_size=outcome.world_size,
-            master_addr=outcome.master_addr,
-            master_port=outcome.master_port,
-            global_ranks=tuple(w.global_rank for w in group.workers),
-        )
-        return outcome
 
     async def _kill_now(self, sig: signal.Signals) -> None:
         """A second signal: skip the rest of the grace period."""
