@@ -1,20 +1,25 @@
 """The elastic agent: rendezvous, start the local workers, watch them, restart them.
 
-One agent runs per node. Each attempt goes: join a rendezvous round through torch's handler
-(`._rdzv_node`), agree on worker ranks, start the local workers as one group through the
-core's `start_processes` (its own ``attempt_{n}`` log directory), then wait for whichever
-comes first:
+One agent runs per node. Its run opens the log root, the rendezvous, the metrics and the
+signal handling, then goes through a loop of attempts (`._attempt_loop`): join a rendezvous
+round through torch's handler (`aioelastic._elastic.rendezvous._node`) and take the round's
+worker ranks, then run one `Attempt` (`._attempt`: the workers' environment, their start as
+one group in their own ``attempt_{n}`` log directory, the watch, the stop), which ends with
+whichever comes first:
 
 * the group's outcome (``ctx.wait()``, which returns the moment every worker succeeded or
   the first one failed, already stopped siblings included): success ends the run after the
-  exit barrier; a failure restarts the group if restarts are left;
+  exit barrier; after a failure the restart budget decides (`RestartBudget.decide`, in
+  `._budget`: where a restart is decided) whether the group restarts;
+* another node ending the attempt, or vanishing (the round's `JobChannel`): a failure here
+  too, told by the node that ended it first;
 * a node waiting to join (``num_nodes_waiting() > 0``): the group is stopped and everyone
   re-rendezvouses, without using a restart. This is the one thing checked periodically,
   every ``monitor_interval``, because torch's rendezvous state lives in a store that has
-  no notifications (`._agent_watch`).
+  no notifications (`._watch`).
 
 Stopping is always the core's teardown (``ctx.close()``); the agent never signals a
-worker itself.
+worker itself. Stack and stall reports are `._reports`'; events leave through `._emitter`.
 
 Differences from torch's ``LocalElasticAgent`` that matter: failures and success are acted
 on when the exit is seen instead of on the next ``monitor_interval`` tick; every attempt,
@@ -25,65 +30,38 @@ backoff between restarts (`RestartBackoff`) and exit codes that are never retrie
 one skips the grace period; lifecycle events (`events`).
 
 The types the agent runs and reports (`WorkerSpec`, `WorkerGroup`, `RunResult`, ...) are
-in `._agent_types`; each worker's environment is built by `._agent_env`.
+in `._types`; each worker's environment is built by `._env`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
-import socket
-import time
 from collections.abc import Collection, Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
 
 import anyio
 
 from ..._core.aio._backend import require_asyncio
-from ..._core.aio._signals import SignalReceived, SignalScope, handle_signals
-from ..._core.group._pcontext import PContext, start_processes
+from ..._core.aio._signals import SignalReceived, handle_signals
+from ..._core.group._pcontext import PContext
 from ..._core.hangs._guard import stack_requests
-from ..._core.hangs._stall import StallReport
-from ..._core.output import _log_root as log_root
 from ..._core.output._std import Std
 from ..._core.output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
 from ..._core.process._exit_status import signal_text
-from ..._core.reports._failures import ProcessFailure
-from ..._core.reports._results import RunProcsResult
-from ..channel._job_channel import AttemptEnd, EndReason, JobChannel, end_of_failure
-from ..channel._job_stacks import JobStacks, RankStack
+from ..channel._job_stacks import JobStacks
 from ..observe._event_hub import EventHub
-from ..observe._events import (
-    AgentEvent,
-    EventStream,
-    FailureReason,
-    GroupRestarting,
-    GroupStopping,
-    RendezvousCompleted,
-    RunFailed,
-    RunSucceeded,
-    StopReason,
-    WorkerFailed,
-    WorkersStarted,
-)
+from ..observe._events import AgentEvent, EventStream, FailureReason, RunFailed
 from ..observe._metrics import observed
 from ..rendezvous._node import LocalRendezvous, NodeRendezvous, Rendezvous
 from ..settings._config import AgentConfig
-from ._env import worker_env
-from ._types import (
-    DEFAULT_ROLE,
-    RunResult,
-    Worker,
-    WorkerGroup,
-    WorkerSpec,
-    WorkerState,
-    substitute_local_rank,
-)
-from ._watch import MembershipChange, PeerEnded, Watched, watch_attempt
+from ._attempt_loop import AttemptLoop
+from ._budget import RestartBudget
+from ._emitter import Emitter
+from ._reports import Reports, drop_if_empty, open_log_root
+from ._types import DEFAULT_ROLE, RunResult, WorkerGroup, WorkerSpec, WorkerState
 
 __all__ = ["LocalElasticAgent"]
 
@@ -216,15 +194,13 @@ class LocalElasticAgent:
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.
         self._hub = EventHub() if _event_hub is None else _event_hub
         self._output = OutputHub()
-        self._log_root: Path | None = None
-        self._ctx: PContext | None = None
-        self._channel: JobChannel | None = None
-        self._signal_scope: SignalScope | None = None
+        self._budget = RestartBudget.of(spec.max_restarts)
+        self._emitter = Emitter(self._hub, self._output, spec.role, self._budget)
+        self._reports = Reports(self._group, lambda: self._loop.running)
+        self._loop = AttemptLoop(
+            self._group, self._config, self._budget, self._emitter, self._output, self._reports
+        )
         self._started = False
-        self._remaining_restarts = spec.max_restarts
-        self._restart_count = 0
-        self._attempt = 0
-        self._run_id = ""
 
     # -- public surface ----------------------------------------------------------------
 
@@ -232,7 +208,7 @@ class LocalElasticAgent:
         return (
             f"<LocalElasticAgent role={self._spec.role!r} "
             f"local_world_size={self._spec.local_world_size} "
-            f"state={self._group.state.name} restarts={self._restart_count}>"
+            f"state={self._group.state.name} restarts={self._budget.restart_count}>"
         )
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
@@ -272,7 +248,17 @@ class LocalElasticAgent:
     @property
     def log_dir(self) -> Path | None:
         """The log root in use: ``log_dir``, or the temporary one made by ``run()``."""
-        return self._log_root
+        return self._reports.log_root
+
+    async def job_stacks(self) -> JobStacks:
+        """Every running rank's stack on every node of the job, grouped (`JobStacks`).
+
+        On several nodes the other nodes are asked through the rendezvous store and each
+        answers within a beat with its own ranks' stacks; a node that does not answer
+        within `STACKS_TIMEOUT` seconds is named as missing. Without workers running, an
+        empty report.
+        """
+        return await self._reports.job_stacks()
 
     async def run(self, role: str = DEFAULT_ROLE) -> RunResult:
         """Run the workers until they succeed, or fail with no restart left.
@@ -295,28 +281,14 @@ class LocalElasticAgent:
         require_asyncio("LocalElasticAgent.run()")
         self._started = True
         try:
-            self._prepare_log_root()
+            self._reports.log_root = open_log_root(self._config.log_dir, self._spec.role)
             async with AsyncExitStack() as stack:
-                rdzv = await self._open_rendezvous()
-                stack.push_async_callback(rdzv.aclose)
-                self._run_id = rdzv.run_id
-                config = self._config
-                await stack.enter_async_context(
-                    observed(
-                        self.events(),
-                        metrics_port=config.metrics_port,
-                        health_port=config.health_port,
-                        host=config.metrics_host,
-                        last_output=lambda: self._ctx.last_output_times() if self._ctx else {},
-                    )
-                )
-                await stack.enter_async_context(stack_requests(self._dump_stacks))
+                rdzv = await self._open(stack)
                 if not self._config.signals:
-                    return await self._invoke_run(rdzv)
+                    return await self._loop.run(rdzv, None)
                 scope = await stack.enter_async_context(handle_signals(self._config.signals))
-                self._signal_scope = scope
                 await stack.enter_async_context(scope.escalate(self._kill_now))
-                return await scope.run_until_signal(self._invoke_run(rdzv))
+                return await scope.run_until_signal(self._loop.run(rdzv, scope))
         except SignalReceived as e:
             self._group.state = WorkerState.STOPPED
             self._emit(RunFailed, reason=FailureReason.SIGNAL, detail=signal_text(e.signum))
@@ -330,119 +302,36 @@ class LocalElasticAgent:
             self._emit(RunFailed, reason=FailureReason.ERROR, detail=f"{type(e).__name__}: {e}")
             raise
         finally:
-            self._signal_scope = None
             self._group.store = None
             self._hub.close()
             self._output.close()
-            self._drop_empty_temporary_logs()
-
-    async def _dump_stacks(self) -> str | dict[int, str]:
-        """``kill -URG`` on the agent: every rank's stacks across the job (docs/hangs.md).
-
-        On several nodes the grouped report, also written to the log directory
-        (``stacks-<time>.txt``); on one node each local rank's stack, as before.
-        """
-        channel, ctx = self._channel, self._ctx
-        if channel is None or channel.nodes == 1:
-            return await ctx.dump_stacks() if ctx is not None else {}
-        return self._keep_report("stacks", (await self.job_stacks()).format())
-
-    async def _tell_stall(self, stall: StallReport) -> str:
-        """This node's workers stalled: the report with every rank's stack across the job.
-
-        The stacks this node took when it found the stall, and those of every other node,
-        asked for through the store as for ``kill -URG`` (a node that does not answer
-        within `STACKS_TIMEOUT` seconds is named); on one node, its own ranks grouped the
-        same way. Ranks are global. Also written to the log directory (``stall-<time>.txt``).
-        """
-        workers = self._group.workers
-        pids = self._ctx.pids() if self._ctx is not None else {}
-        own = [
-            (workers[lr].global_rank, pids.get(lr, -1), text)
-            for lr, text in sorted(stall.stacks.items())
-        ]
-
-        async def taken() -> list[tuple[int, int, str]]:
-            return own
-
-        channel = self._channel
-        if channel is not None and channel.nodes > 1:
-            stacks = await channel.gather_stacks(taken)
-        else:
-            node = self._group.group_rank or 0
-            host = channel.host if channel is not None else socket.gethostname()
-            stacks = JobStacks(tuple(RankStack(r, node, host, pid, t) for r, pid, t in own))
-        ranks = [
-            dataclasses.replace(activity, rank=workers[activity.rank].global_rank)
-            for activity in stall.ranks
-        ]
-        text = dataclasses.replace(stall, ranks=ranks).head() + stacks.format()
-        return self._keep_report("stall", text)
-
-    def _keep_report(self, kind: str, report: str) -> str:
-        """``report``, also written to the log root as ``{kind}-<time>.txt`` (it says where)."""
-        if self._log_root is None:
-            return report
-        name = time.strftime(f"{kind}-%Y%m%d-%H%M%S.txt")
-        try:
-            (self._log_root / name).write_text(report)
-        except OSError as e:
-            return report + f"(not written to {self._log_root}: {e})\n"
-        return report + f"(also in {self._log_root / name})\n"
-
-    async def job_stacks(self) -> JobStacks:
-        """Every running rank's stack on every node of the job, grouped (`JobStacks`).
-
-        On several nodes the other nodes are asked through the rendezvous store and each
-        answers within a beat with its own ranks' stacks; a node that does not answer
-        within `STACKS_TIMEOUT` seconds is named as missing. Without workers running, an
-        empty report.
-        """
-        channel = self._channel
-        if channel is not None and self._ctx is not None:
-            return await channel.gather_stacks(self._capture_stacks)
-        stacks = [
-            RankStack(rank, self._group.group_rank or 0, socket.gethostname(), pid, text)
-            for rank, pid, text in await self._capture_stacks()
-        ]
-        return JobStacks(tuple(stacks))
-
-    async def _capture_stacks(self) -> list[tuple[int, int, str]]:
-        """This node's running workers' stacks: ``[(global rank, pid, text), ...]``."""
-        ctx = self._ctx
-        if ctx is None:
-            return []
-        workers = self._group.workers
-        pids = ctx.pids()
-        stacks = await ctx.dump_stacks()
-        return [
-            (workers[lr].global_rank, pids.get(lr, -1), text) for lr, text in sorted(stacks.items())
-        ]
+            drop_if_empty(self._config.log_dir, self._reports.log_root, self._spec.role)
 
     # -- the run -----------------------------------------------------------------------
 
-    def _prepare_log_root(self) -> None:
-        if self._config.log_dir is None:
-            self._log_root = log_root.make_temporary(self._spec.role)
-            logger.info("agent logs are in %s", self._log_root)
-            return
-        root = self._config.log_dir
-        if root.exists() and not root.is_dir():
-            raise ValueError(f"log_dir={str(root)!r} is a file; give a directory")
-        if root.is_dir():
-            taken = sorted(p.name for p in root.iterdir() if p.name.startswith("attempt_"))
-            if taken:
-                raise ValueError(
-                    f"log_dir={str(root)!r} already holds {taken[0]} of an earlier run; an "
-                    "agent never overwrites logs: give each run a new log_dir"
-                )
-        root.mkdir(parents=True, exist_ok=True)
-        self._log_root = root
+    @property
+    def _ctx(self) -> PContext | None:
+        """The running attempt's group, if any."""
+        running = self._loop.running
+        return running.ctx if running is not None else None
 
-    def _drop_empty_temporary_logs(self) -> None:
-        """Remove a temporary log root that received no file (see `_core.output._log_root`)."""
-        if self._config.log_dir is None and self._log_root is not None:
-            log_root.remove_if_empty(self._log_root, f"agent {self._spec.role!r}")
+    async def _open(self, stack: AsyncExitStack) -> NodeRendezvous:
+        """Open the rendezvous, the metrics and the stack requests, closed by ``stack``."""
+        rdzv = await self._open_rendezvous()
+        stack.push_async_callback(rdzv.aclose)
+        self._emitter.run_id = rdzv.run_id
+        config = self._config
+        await stack.enter_async_context(
+            observed(
+                self.events(),
+                metrics_port=config.metrics_port,
+                health_port=config.health_port,
+                host=config.metrics_host,
+                last_output=lambda: self._ctx.last_output_times() if self._ctx else {},
+            )
+        )
+        await stack.enter_async_context(stack_requests(self._reports.dump_stacks))
+        return rdzv
 
     async def _open_rendezvous(self) -> NodeRendezvous:
         spec = self._spec
@@ -457,320 +346,6 @@ class LocalElasticAgent:
         run_id = self._config.run_id or ("none" if spec.master_port is not None else None)
         return LocalRendezvous(run_id, spec.local_addr)
 
-    async def _invoke_run(self, rdzv: NodeRendezvous) -> RunResult:
-        spec = self._spec
-        group = self._group
-        while True:
-            if not await self._rendezvous(rdzv):
-                # A spare node the job never needed: torch ends it quietly, and so do we.
-                group.state = WorkerState.SUCCEEDED
-                self._emit(RunSucceeded, global_ranks=())
-                return RunResult(WorkerState.SUCCEEDED)
-            channel = self._channel
-            try:
-                watched = await self._run_attempt(rdzv)
-                outcome = watched.outcome
-                failed = None
-                if isinstance(outcome, RunProcsResult | PeerEnded) and (
-                    isinstance(outcome, PeerEnded) or outcome.is_failed()
-                ):
-                    failed = await self._settle_attempt(rdzv, watched, channel)
-            finally:
-                self._channel = None
-                if channel is not None:
-                    channel.close()
-            if isinstance(outcome, RunProcsResult) and not outcome.is_failed():
-                group.state = WorkerState.SUCCEEDED
-                await rdzv.exit_barrier(self._config.exit_barrier_timeout)
-                values = {
-                    group.workers[lr].global_rank: v for lr, v in outcome.return_values.items()
-                }
-                self._emit(RunSucceeded, global_ranks=tuple(sorted(values)))
-                return RunResult(WorkerState.SUCCEEDED, return_values=values)
-            delay = 0.0
-            if isinstance(outcome, MembershipChange):
-                reason = StopReason.MEMBERSHIP_CHANGE
-            else:
-                if failed is not None:
-                    return failed
-                reason = (
-                    StopReason.PEER_ENDED
-                    if isinstance(outcome, PeerEnded)
-                    else StopReason.WORKER_FAILED
-                )
-                self._remaining_restarts -= 1
-                self._restart_count += 1
-                if spec.restart_backoff is not None:
-                    delay = spec.restart_backoff.delay(self._restart_count)
-            self._attempt += 1
-            self._emit(
-                GroupRestarting,
-                reason=reason,
-                delay=delay,
-                restarts_left=self._remaining_restarts,
-            )
-            if delay > 0:
-                await anyio.sleep(delay)
-
-    async def _settle_attempt(
-        self, rdzv: NodeRendezvous, watched: Watched, channel: JobChannel | None
-    ) -> RunResult | None:
-        """After a failed attempt: the run's failed result, or ``None`` to restart.
-
-        Every node decides alike: the job's restart count is the same on all of them, and
-        an end that is final anywhere (an exit code never retried, the store lost) is
-        final everywhere.
-        """
-        spec = self._spec
-        group = self._group
-        outcome = watched.outcome
-        failures: dict[int, ProcessFailure] = {}
-        fatal: list[ProcessFailure] = []
-        if isinstance(outcome, RunProcsResult):
-            failures = {group.workers[lr].global_rank: f for lr, f in outcome.failures.items()}
-            if channel is not None:
-                # Named as the other nodes name this one (--local-addr), in every report.
-                for failure in failures.values():
-                    failure.host = failure.host or channel.host
-            fatal = [f for f in failures.values() if f.exitcode in spec.no_retry_exit_codes]
-            cause = watched.cause
-        else:
-            assert isinstance(outcome, PeerEnded)
-            cause = outcome.cause
-        elsewhere = cause is not None and (
-            cause.node != group.group_rank or cause.reason != EndReason.WORKER_FAILED
-        )
-        if cause is not None:
-            rdzv.attempt_ended(cause)
-            if elsewhere:
-                # Another node's end is the root cause: the report leads with it.
-                failures[cause.rank if cause.rank is not None else -1] = cause.as_failure()
-        if not (fatal or (cause is not None and cause.final) or self._remaining_restarts == 0):
-            return None
-        group.state = WorkerState.FAILED
-        if channel is not None and cause is not None:
-            # This node leaves the job: not before the others know why (it may host
-            # the store they read it from).
-            await channel.linger(cause)
-        if fatal:
-            why = FailureReason.NO_RETRY_EXIT_CODE
-            detail = f"exit code {fatal[0].exitcode} is in no_retry_exit_codes"
-        elif cause is not None and cause.reason == EndReason.STORE_LOST:
-            why, detail = FailureReason.STORE_LOST, cause.describe()
-        elif self._remaining_restarts == 0:
-            why = FailureReason.RESTARTS_EXHAUSTED
-            detail = f"max_restarts={spec.max_restarts} used up"
-            if cause is not None and elsewhere:
-                detail += f"; last: {cause.describe()}"
-        else:
-            assert cause is not None
-            why, detail = FailureReason.PEER_FAILED, cause.describe()
-        self._emit(RunFailed, reason=why, failures=failures, detail=detail)
-        return RunResult(WorkerState.FAILED, failures=failures)
-
-    async def _rendezvous(self, rdzv: NodeRendezvous) -> bool:
-        """Join the next round and take its ranks; False when this node is not needed."""
-        spec = self._spec
-        group = self._group
-        # A fixed port without an address is torchrun's static single node: 127.0.0.1.
-        master_addr = spec.master_addr
-        if master_addr is None and spec.master_port is not None:
-            master_addr = "127.0.0.1"
-        outcome = await rdzv.next_rendezvous(
-            spec.role, spec.local_world_size, master_addr=master_addr, master_port=spec.master_port
-        )
-        if outcome is None:
-            return False
-        if outcome.restart_count is not None:
-            # The job's count, the same on every node: a node that keeps failing cannot
-            # give the job more attempts than max_restarts (torch counts per node).
-            self._restart_count = outcome.restart_count
-            self._remaining_restarts = max(0, spec.max_restarts - outcome.restart_count)
-        self._channel = outcome.channel
-        group.store = outcome.store
-        group.group_rank = outcome.group_rank
-        group.group_world_size = outcome.group_world_size
-        group.master_addr = outcome.master_addr
-        group.master_port = outcome.master_port
-        group.workers = [
-            Worker(
-                local_rank=lr,
-                global_rank=outcome.base_global_rank + lr,
-                role_rank=outcome.base_role_rank + lr,
-                world_size=outcome.world_size,
-                role_world_size=outcome.role_world_size,
-            )
-            for lr in range(spec.local_world_size)
-        ]
-        self._emit(
-            RendezvousCompleted,
-            group_rank=outcome.group_rank,
-            group_world_size=outcome.group_world_size,
-            world_size=outcome.world_size,
-            master_addr=outcome.master_addr,
-            master_port=outcome.master_port,
-            global_ranks=tuple(w.global_rank for w in group.workers),
-        )
-        return True
-
-    async def _run_attempt(self, rdzv: NodeRendezvous) -> Watched:
-        spec = self._spec
-        group = self._group
-        assert self._log_root is not None
-        channel = self._channel
-        envs = {
-            w.local_rank: worker_env(
-                group,
-                w,
-                restart_count=self._restart_count,
-                run_id=rdzv.run_id,
-                use_agent_store=rdzv.use_agent_store,
-                signals_to_handle=self._config.exported_signals,
-            )
-            for w in group.workers
-        }
-        ctx = start_processes(
-            name=spec.role,
-            entrypoint=spec.entrypoint,
-            args={
-                w.local_rank: substitute_local_rank(spec.args, w.local_rank) for w in group.workers
-            },
-            envs=envs,
-            log_dir=self._log_root / f"attempt_{self._attempt}",
-            start_method=self._config.start_method,
-            redirects=self._config.redirects,
-            tee=self._config.tee,
-            grace_period=self._config.shutdown_timeout,
-            forkserver_preload=self._config.forkserver_preload,
-            local_ranks_filter=self._shown_ranks(),
-            log_line_prefix=self._config.log_line_prefix_template,
-            stall_timeout=self._config.stall_timeout,
-            stop_leader_first=self._config.stop_leader_first,
-            collapse_identical_lines=self._config.collapse_identical_lines,
-        )
-        self._output.new_attempt()
-        ctx.tell_stalls_with(self._tell_stall)
-        ctx.share_output(
-            self._output,
-            {w.local_rank: w.global_rank for w in group.workers},
-            self._restart_count,
-        )
-        self._ctx = ctx
-        try:
-            if channel is not None:
-                await channel.open()
-            async with ctx:
-                for lr, pid in ctx.pids().items():
-                    group.workers[lr].id = pid
-                group.state = WorkerState.HEALTHY
-                self._emit(
-                    WorkersStarted,
-                    pids={group.workers[lr].global_rank: p for lr, p in ctx.pids().items()},
-                )
-                try:
-                    watched = await watch_attempt(
-                        ctx,
-                        rdzv,
-                        spec.monitor_interval,
-                        channel,
-                        self._end_of,
-                        self._capture_stacks,
-                    )
-                except BaseException as e:
-                    interruption = self._interruption(e)
-                    self._emit(GroupStopping, **interruption)
-                    end = None
-                    if channel is not None:
-                        with anyio.CancelScope(shield=True):
-                            end = await channel.end(self._end_of_interruption(interruption), 2.0)
-                    scope = self._signal_scope
-                    if scope is not None and scope.first is not None:
-                        # As torchrun: the workers get the signal the launcher received
-                        # (Ctrl-C arrives as SIGINT, a checkpointing SIGUSR1 as SIGUSR1).
-                        await ctx.close(death_sig=scope.first)
-                    if channel is not None and end is not None:
-                        await ctx.close()
-                        with anyio.CancelScope(shield=True):
-                            await channel.linger(end, 2.0)
-                    raise
-                outcome = watched.outcome
-                if isinstance(outcome, MembershipChange):
-                    self._emit(
-                        GroupStopping,
-                        reason=StopReason.MEMBERSHIP_CHANGE,
-                        detail=f"{outcome.nodes_waiting} node(s) waiting to join",
-                    )
-                elif isinstance(outcome, PeerEnded):
-                    self._emit(
-                        GroupStopping, reason=StopReason.PEER_ENDED, detail=outcome.cause.describe()
-                    )
-                elif outcome.is_failed():
-                    for lr, failure in sorted(
-                        outcome.failures.items(), key=lambda i: i[1].timestamp
-                    ):
-                        self._emit_failure(lr, failure)
-                    self._emit(GroupStopping, reason=StopReason.WORKER_FAILED)
-                elif channel is not None:
-                    await channel.finish()
-                await ctx.close()
-                if not isinstance(outcome, RunProcsResult) or outcome.is_failed():
-                    group.state = WorkerState.STOPPED
-                if channel is not None and watched.cause is not None:
-                    # Read again once stopped: another node's end that came after this
-                    # one's may be final (an exit code it never retries).
-                    watched.cause = await channel.cause(watched.cause)
-                return watched
-        finally:
-            self._ctx = None
-            for worker in group.workers:
-                worker.id = None
-
-    def _shown_ranks(self) -> frozenset[int] | None:
-        """This attempt's local ranks shown on the console (both filters), None for all."""
-        shown = self._config.local_ranks_filter
-        wanted = self._config.ranks_filter
-        if wanted is not None:
-            by_global = {w.local_rank for w in self._group.workers if w.global_rank in wanted}
-            shown = frozenset(by_global if shown is None else by_global & shown)
-        return shown
-
-    def _end_of(self, failures: Mapping[int, ProcessFailure]) -> AttemptEnd:
-        """What the other nodes are told when this node's workers failed (by local rank)."""
-        group = self._group
-        assert self._channel is not None
-        local_rank, failure = min(failures.items(), key=lambda i: (i[1].timestamp, i[0]))
-        final = (
-            any(f.exitcode in self._spec.no_retry_exit_codes for f in failures.values())
-            or self._remaining_restarts == 0
-        )
-        return end_of_failure(
-            group.group_rank or 0,
-            self._channel.host,
-            group.workers[local_rank].global_rank,
-            local_rank,
-            failure,
-            final=final,
-        )
-
-    def _end_of_interruption(self, interruption: Mapping[str, Any]) -> AttemptEnd:
-        """What the other nodes are told when this node stops for a signal or an error."""
-        reason = interruption["reason"]
-        return AttemptEnd(
-            node=self._group.group_rank or 0,
-            host=self._channel.host if self._channel is not None else "",
-            reason={
-                StopReason.SIGNAL: EndReason.SIGNAL,
-                StopReason.CANCELLED: EndReason.CANCELLED,
-            }.get(reason, EndReason.ERROR),
-            detail=interruption.get("detail", ""),
-            exitcode=-signal.Signals[interruption["detail"]].value
-            if reason == StopReason.SIGNAL
-            else 1,
-            timestamp=time.time(),
-        )
-
-    # -- helpers -----------------------------------------------------------------------
-
     async def _kill_now(self, sig: signal.Signals) -> None:
         """A second signal: skip the rest of the grace period."""
         ctx = self._ctx
@@ -778,45 +353,5 @@ class LocalElasticAgent:
             logger.warning("second %s: killing the workers now", sig.name)
             await ctx.close(death_sig=signal.SIGKILL)
 
-    def _interruption(self, error: BaseException) -> dict[str, Any]:
-        scope = self._signal_scope
-        if scope is not None and scope.first is not None:
-            return {"reason": StopReason.SIGNAL, "detail": scope.first.name}
-        if isinstance(error, anyio.get_cancelled_exc_class()):
-            return {"reason": StopReason.CANCELLED}
-        return {"reason": StopReason.ERROR, "detail": f"{type(error).__name__}: {error}"}
-
-    def _emit_failure(self, local_rank: int, failure: ProcessFailure) -> None:
-        signal_name = failure.signal_name() if failure.exitcode < 0 else None
-        self._publish(
-            WorkerFailed(
-                timestamp=failure.timestamp,
-                role=self._spec.role,
-                run_id=self._run_id,
-                attempt=self._attempt,
-                restart_count=self._restart_count,
-                global_rank=self._group.workers[local_rank].global_rank,
-                local_rank=local_rank,
-                pid=failure.pid,
-                exitcode=failure.exitcode,
-                signal=signal_name,
-                message=failure.message,
-                failure=failure,
-            )
-        )
-
-    def _emit(self, kind: type[AgentEvent], **fields: Any) -> None:
-        self._publish(
-            kind(
-                timestamp=time.time(),
-                role=self._spec.role,
-                run_id=self._run_id,
-                attempt=self._attempt,
-                restart_count=self._restart_count,
-                **fields,
-            )
-        )
-
-    def _publish(self, event: AgentEvent) -> None:
-        self._hub.emit(event)
-        self._output.event(event)
+    def _emit(self, kind: type[AgentEvent], **fields: object) -> None:
+        self._emitter.emit(kind, **fields)

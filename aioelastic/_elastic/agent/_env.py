@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._types import Worker, WorkerGroup
+    from ._types import Worker, WorkerGroup, WorkerSpec
 
 __all__ = ["worker_env"]
 
@@ -56,13 +56,7 @@ def worker_env(
     if environ is None:
         environ = os.environ
     spec = group.spec
-    if (
-        group.group_rank is None
-        or group.group_world_size is None
-        or group.master_addr is None
-        or group.master_port is None
-    ):
-        raise ValueError("worker_env needs a group that completed a rendezvous")
+    master_addr = _master_addr(group)
     env = {
         "RANK": str(worker.global_rank),
         "GROUP_RANK": str(group.group_rank),
@@ -72,13 +66,35 @@ def worker_env(
         "WORLD_SIZE": str(worker.world_size),
         "GROUP_WORLD_SIZE": str(group.group_world_size),
         "ROLE_WORLD_SIZE": str(worker.role_world_size),
-        "MASTER_ADDR": group.master_addr,
+        "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(group.master_port),
         "TORCHELASTIC_RESTART_COUNT": str(restart_count),
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": run_id,
         # torch writes str(bool); its workers compare against "True" exactly.
         "TORCHELASTIC_USE_AGENT_STORE": str(bool(use_agent_store)),
+        **_from_environ(spec, worker, environ),
+    }
+    if signals_to_handle is not None:
+        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_to_handle
+    return env
+
+
+def _master_addr(group: WorkerGroup) -> str:
+    """The group's ``MASTER_ADDR``, once it is checked that the group has its ranks."""
+    if (
+        group.group_rank is None
+        or group.group_world_size is None
+        or group.master_addr is None
+        or group.master_port is None
+    ):
+        raise ValueError("worker_env needs a group that completed a rendezvous")
+    return group.master_addr
+
+
+def _from_environ(spec: WorkerSpec, worker: Worker, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables that depend on the agent's environment, and the worker's devices."""
+    env = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -104,6 +120,4 @@ def worker_env(
     elif spec.local_world_size > 1:
         # torchrun's guard against N workers each starting one OpenMP thread per core.
         env["OMP_NUM_THREADS"] = "1"
-    if signals_to_handle is not None:
-        env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_to_handle
     return env

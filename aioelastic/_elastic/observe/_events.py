@@ -46,6 +46,7 @@ from ..._core.reports._failures import ProcessFailure
 
 __all__ = [
     "AgentEvent",
+    "EndReason",
     "EventStream",
     "FailureReason",
     "GroupRestarting",
@@ -59,6 +60,55 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aioelastic.agent")
+
+
+# Why a run ended, in one family: `EndReason` (what a node tells the others when it ends an
+# attempt), `StopReason` (why this node stops its workers) and `FailureReason` (why its run
+# ends). A reason the three share has the same value in each, so that each mapping is one
+# method here (`StopReason.end_reason`, `EndReason.failure_reason`).
+
+
+class EndReason(str, enum.Enum):
+    """Why a node ended an attempt of the job, as every node is told (`AttemptEnd.reason`).
+
+    The values travel between nodes as JSON (`AttemptEnd.to_json`): a node of another
+    version reads them, so a value never changes.
+    """
+
+    WORKER_FAILED = "worker_failed"
+    """One of the node's workers failed."""
+    SIGNAL = "signal"
+    """The node's launcher received a signal it handles."""
+    CANCELLED = "cancelled"
+    """The node's ``agent.run()`` was cancelled."""
+    ERROR = "error"
+    """The node's agent itself failed."""
+    VANISHED = "vanished"
+    """The node stopped beating (its launcher killed, its machine lost); told by its watcher."""
+    STORE_LOST = "store_lost"
+    """The rendezvous store stopped answering."""
+
+    @property
+    def verb(self) -> str:
+        """How a report says it: ``"node 2 (h) {verb} {detail}"``."""
+        return _END_VERBS[self]
+
+    @property
+    def failure_reason(self) -> FailureReason:
+        """Why this node's run fails when this end, on another node, ends the job."""
+        if self is EndReason.STORE_LOST:
+            return FailureReason.STORE_LOST
+        return FailureReason.PEER_FAILED
+
+
+_END_VERBS = {
+    EndReason.WORKER_FAILED: "failed:",
+    EndReason.SIGNAL: "was stopped by",
+    EndReason.CANCELLED: "was cancelled:",
+    EndReason.ERROR: "failed:",
+    EndReason.VANISHED: "vanished:",
+    EndReason.STORE_LOST: "lost the rendezvous store:",
+}
 
 
 class StopReason(str, enum.Enum):
@@ -77,6 +127,18 @@ class StopReason(str, enum.Enum):
     PEER_ENDED = "peer_ended"
     """Another node ended the attempt (its worker failed, it was stopped, it vanished);
     ``detail`` names the node and the root cause. Uses a restart, like a failure here."""
+
+    @property
+    def end_reason(self) -> EndReason:
+        """What the other nodes are told when this node stops its workers for this reason.
+
+        Raises:
+            ValueError: for `MEMBERSHIP_CHANGE` and `PEER_ENDED`, which end no attempt of
+                this node's own.
+        """
+        if self in (StopReason.MEMBERSHIP_CHANGE, StopReason.PEER_ENDED):
+            raise ValueError(f"{self!r} ends no attempt of this node's own")
+        return EndReason(self.value)
 
 
 class FailureReason(str, enum.Enum):

@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import uuid
 from collections.abc import Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..settings import _node_values as node_values
@@ -77,6 +78,25 @@ async def create_rdzv_handler(
             ``ValueError`` for a backend it does not know.
         RendezvousConnectionError: torch could not reach or host the store.
     """
+    _check_arguments(backend, endpoint, run_id, min_nodes, max_nodes, config)
+    members = node_values.endpoints(endpoint, backend) if endpoint.strip() else [endpoint]
+    return await on_daemon_thread(
+        partial(
+            _create, backend, endpoint, members, run_id, min_nodes, max_nodes, local_addr, config
+        ),
+        f"aioelastic-rdzv-create-{run_id}",
+    )
+
+
+def _check_arguments(
+    backend: str,
+    endpoint: str,
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    config: dict[str, Any],
+) -> None:
+    """`create_rdzv_handler`'s arguments checked, before any thread starts."""
     if not isinstance(backend, str) or not backend:
         raise ValueError(f"backend must be a non-empty str such as 'c10d', got {backend!r}")
     if not isinstance(endpoint, str):
@@ -94,40 +114,47 @@ async def create_rdzv_handler(
             "client)"
         )
 
-    members = node_values.endpoints(endpoint, backend) if endpoint.strip() else [endpoint]
 
-    def create() -> RendezvousHandler:
-        from torch.distributed.elastic.rendezvous import (
-            RendezvousConnectionError,
-            RendezvousParameters,
+def _create(
+    backend: str,
+    endpoint: str,
+    members: list[str],
+    run_id: str,
+    min_nodes: int,
+    max_nodes: int,
+    local_addr: str | None,
+    config: dict[str, Any],
+) -> RendezvousHandler:
+    """Blocking: torch's handler, through the first of ``members`` that answers."""
+    from torch.distributed.elastic.rendezvous import (
+        RendezvousConnectionError,
+        RendezvousParameters,
+    )
+    from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+    unreachable: list[str] = []
+    for member in members:
+        params = RendezvousParameters(
+            backend=backend,
+            endpoint=member,
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            local_addr=local_addr,
+            **config,
         )
-        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
-
-        unreachable: list[str] = []
-        for member in members:
-            params = RendezvousParameters(
-                backend=backend,
-                endpoint=member,
-                run_id=run_id,
-                min_nodes=min_nodes,
-                max_nodes=max_nodes,
-                local_addr=local_addr,
-                **config,
-            )
-            try:
-                with connection_errors_explained():
-                    return get_rendezvous_handler(params)
-            except Exception as e:
-                # An etcd member down when the node starts: the next one is asked. torch's
-                # older handler raises the client's own error, the newer one wraps it.
-                if len(members) == 1 or not _unreachable(e):
-                    raise
-                unreachable.append(f"{member}: {e}")
-        raise RendezvousConnectionError(
-            f"no member of --rdzv-endpoint {endpoint!r} answered: " + "; ".join(unreachable)
-        )
-
-    return await on_daemon_thread(create, f"aioelastic-rdzv-create-{run_id}")
+        try:
+            with connection_errors_explained():
+                return get_rendezvous_handler(params)
+        except Exception as e:
+            # An etcd member down when the node starts: the next one is asked. torch's
+            # older handler raises the client's own error, the newer one wraps it.
+            if len(members) == 1 or not _unreachable(e):
+                raise
+            unreachable.append(f"{member}: {e}")
+    raise RendezvousConnectionError(
+        f"no member of --rdzv-endpoint {endpoint!r} answered: " + "; ".join(unreachable)
+    )
 
 
 def _unreachable(error: BaseException) -> bool:

@@ -27,7 +27,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 
-from ..channel._job_channel import SINGLE_STORE_LOST_AFTER, AttemptEnd, EndReason, JobChannel
+from ..channel._attempt_end import AttemptEnd
+from ..channel._job_channel import JobChannel
+from ..channel._link import SINGLE_STORE_LOST_AFTER
+from ..observe._events import EndReason
 from ..store._serial_thread import SerialThread, on_daemon_thread
 from ..store._worker_store import Store, WorkerStoreHost, free_port
 from . import _reform as reform

@@ -104,6 +104,10 @@ class SerialThread:
             try:
                 result, error = fn(), None
             except BaseException as e:
+                # Whatever the call raised (a SystemExit or KeyboardInterrupt from the
+                # handler's code too) goes back to its caller: an escaping error would end
+                # this thread and leave the caller and every call queued behind it waiting
+                # forever.
                 result, error = None, e
             finally:
                 self.running = False

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from aioelastic._elastic.channel._job_channel import DEAD_AFTER, STACKS_TIMEOUT
+from aioelastic._elastic.channel._liveness import DEAD_AFTER
+from aioelastic._elastic.channel._stack_gathering import STACKS_TIMEOUT
 from tests.support.cli_run import Launcher, with_env
 from tests.support.paths import CHILDREN
 from tests.support.ports import free_port

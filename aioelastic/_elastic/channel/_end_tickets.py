@@ -1,0 +1,145 @@
+"""Ending an attempt: who ended it first (the root cause), and that every node heard why.
+
+The node that ends the attempt first — a worker failed, a stall or timer fired, the
+launcher was signalled, restarts ran out, a watched node vanished — takes ticket 1 of the
+``ends`` counter and writes why (`AttemptEnd`) under it; later enders take later tickets.
+Every node reads the counter when the news counter moves; seeing an end, it stops its
+workers and reports ticket 1, the root cause, whatever ended its own workers afterwards.
+One end that is final (an exit code never retried there) makes the root cause final.
+
+The node that takes ticket 1 for an end that counts adds one to the job's restart count,
+before it joins the next round, so every node reads the new count there. A node that
+leaves the job first waits until every other live node heard why (`EndTickets.linger`):
+the store may live in its launcher.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+
+from ..observe._events import EndReason
+from ..store._worker_store import Store
+from ._attempt_end import AttemptEnd
+from ._link import AttemptLink
+
+__all__ = ["EndTickets"]
+
+logger = logging.getLogger("aioelastic.agent")
+
+
+class EndTickets:
+    """One node's side of the end tickets (see the module documentation).
+
+    The blocking methods run on the link's thread; the async ones call them there, bounded.
+
+    Args:
+        link: the attempt's keys and the thread that calls the store.
+        restarts: where the job counts its restarts (a store shared by every round, and
+            the key), or ``None`` when the nodes count them themselves (``static``).
+        dead_after: how long `linger` waits by default, seconds: a node that has not
+            heard by then is gone.
+    """
+
+    def __init__(
+        self, link: AttemptLink, restarts: tuple[Store, str] | None, dead_after: float
+    ) -> None:
+        self._link = link
+        self._restarts = restarts
+        self._dead_after = dead_after
+        self._ended: AttemptEnd | None = None
+        # Whether this node took ticket 1 or counted itself among those that heard.
+        self._told = False
+
+    @property
+    def ended(self) -> AttemptEnd | None:
+        """The root cause this node ended the attempt with, if it did."""
+        return self._ended
+
+    def taken(self) -> bool:
+        """Blocking: whether any node took a ticket."""
+        return int(self._link.store.add(self._link.key("ends"), 0)) > 0
+
+    def take(self, end: AttemptEnd) -> AttemptEnd:
+        """Blocking: take the next ticket for ``end``; the root cause (ticket 1's end)."""
+        store, key = self._link.store, self._link.key
+        ticket = store.add(key("ends"), 1)
+        if ticket == 1 and end.counts and self._restarts is not None:
+            job_store, restarts_key = self._restarts
+            job_store.add(restarts_key, 1)
+        store.set(key(f"end/{ticket}"), end.to_json())
+        self._link.announce()
+        if ticket == 1:
+            self._told = True
+            return end
+        return self.root_cause()
+
+    def root_cause(self) -> AttemptEnd:
+        """Blocking: ticket 1's end; final if any node's end is (an exit code never retried).
+
+        Each ticket's writer sets its key right after taking the ticket: get() waits out
+        the moment in between.
+        """
+        store, key = self._link.store, self._link.key
+        tickets = store.add(key("ends"), 0)
+        ends = [AttemptEnd.from_json(store.get(key(f"end/{t}"))) for t in range(1, tickets + 1)]
+        root = ends[0]
+        if not root.final and any(end.final for end in ends):
+            root = dataclasses.replace(root, final=True)
+        if not self._told:
+            # This node has heard; the last to hear frees whoever lingers (see linger).
+            self._told = True
+            if store.add(key("heard"), 1) >= _hearers(self._link.nodes, root):
+                store.set(key("all_heard"), "1")
+        return root
+
+    async def end(self, end: AttemptEnd, timeout: float | None = None) -> AttemptEnd:
+        """Tell every node that this one ends the attempt; the root cause of the end.
+
+        The root cause is ``end`` itself unless another node ended the attempt first.
+        Bounded by ``timeout`` (default: the link's ``store_lost_after``): a store that
+        does not answer leaves ``end`` as the root cause, logged.
+        """
+        if self._ended is not None:
+            return self._ended
+        try:
+            self._ended = await self._link.call(lambda: self.take(end), timeout or None)
+        except Exception as e:
+            logger.warning("could not tell the other nodes why this node ended: %s", e)
+            self._ended = end
+        return self._ended
+
+    async def cause(self, known: AttemptEnd) -> AttemptEnd:
+        """The attempt's root cause read afresh (every end so far), else ``known``."""
+        try:
+            return await self._link.call(self.root_cause)
+        except Exception as e:
+            logger.warning("could not read why the other nodes ended: %s", e)
+            return known
+
+    async def linger(self, cause: AttemptEnd, timeout: float | None = None) -> None:
+        """Before leaving the job: wait until every other live node heard ``cause``.
+
+        The store may live in this node's launcher (``c10d``'s host): leaving at once
+        would take it away before a slower node read why the job ended, and that node
+        would report a lost store instead of the root cause. Bounded by ``timeout``
+        (default ``dead_after``); a node that never hears is a node that is gone.
+        """
+        if _hearers(self._link.nodes, cause) <= 0:
+            return
+        bound = timeout or self._dead_after
+        key = self._link.key("all_heard")
+
+        def wait() -> None:
+            self._link.store.wait([key], datetime.timedelta(seconds=bound))
+
+        try:
+            await self._link.call(wait, bound + 1)
+        except Exception as e:
+            logger.debug("not every node heard why the job ended: %s", e)
+
+
+def _hearers(nodes: int, cause: AttemptEnd) -> int:
+    """How many nodes hear of ``cause``: all but its writer, and a vanished node."""
+    return nodes - 1 - (cause.reason is EndReason.VANISHED)
