@@ -69,11 +69,12 @@ class _Turns:
         heapq.heappush(self._waiting, entry)
         try:
             await waiter
-        except BaseException:
-            if entry in self._waiting:
+        finally:
+            # A caller woken was taken off the heap by _close; one cancelled (or
+            # interrupted) may still be on it, and its place must not be woken.
+            if (not waiter.done() or waiter.cancelled()) and entry in self._waiting:
                 self._waiting.remove(entry)
                 heapq.heapify(self._waiting)
-            raise
 
     def _close(self, loop: asyncio.AbstractEventLoop) -> None:
         self.opened_at = None

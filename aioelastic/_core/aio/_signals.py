@@ -205,12 +205,11 @@ class SignalScope:
             await action(sig)
 
         task = asyncio.get_running_loop().create_task(escalator())
-        body_failed = False
+        # How the block ended (cancelled, too) decides what the action's failure becomes.
+        body_failed = True
         try:
             yield
-        except BaseException:
-            body_failed = True
-            raise
+            body_failed = False
         finally:
             # A due action runs even if the block ended before its task got to start it.
             if not started and len(self._received) < after:

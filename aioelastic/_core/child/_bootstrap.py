@@ -55,6 +55,8 @@ def run_call(call: FunctionCall, result_fd: int) -> int:
             os.close(result_fd)
         return code
     except BaseException as exc:
+        # Any failure of the user's call is this worker's to record before it exits:
+        # KeyboardInterrupt and BaseExceptions of the user's own included.
         os.close(result_fd)
         # Printed as well as recorded: the traceback then also reaches stderr logs.
         traceback.print_exc()
@@ -224,6 +226,8 @@ def forked_worker(
     except SystemExit as exc:
         code = _exit_code_of(exc)
     except BaseException:
+        # Anything, KeyboardInterrupt included: the os._exit below ends this child
+        # without unwinding, and would otherwise end it without a word of why.
         traceback.print_exc()
     finally:
         # Never run the parent's atexit handlers or unwind into its code. os._exit has a

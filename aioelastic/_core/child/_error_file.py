@@ -291,16 +291,19 @@ def write_error_data(path: str | os.PathLike[str], data: Mapping[str, Any]) -> N
     if _write_unnamed_then_link(directory, os.path.basename(path), body):
         return
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".error-", suffix=".json.tmp")
-    try:
+    with contextlib.ExitStack() as cleanup_on_fail:
+        cleanup_on_fail.callback(_remove_quietly, tmp)
         # mkstemp creates the file 0600; torch's plain open() gives the usual 0644.
         os.fchmod(fd, 0o644)
         _write_all(fd, body)
         os.close(fd)
         os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+        cleanup_on_fail.pop_all()
+
+
+def _remove_quietly(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _write_unnamed_then_link(directory: str, name: str, body: bytes) -> bool:

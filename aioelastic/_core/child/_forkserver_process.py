@@ -52,6 +52,7 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..process import _platform
@@ -112,6 +113,32 @@ def _reply_error(sock: socket.socket, text: str) -> None:
     sock.sendmsg([b"E" + text.encode(errors="replace")[: _MAX_MSG - 1]])
 
 
+def _failure_of(run: Callable[..., object], *args: object) -> BaseException | None:
+    """``run(*args)``, the supervisor's code (the preload, its main module): what it raised.
+
+    Anything it raised: a module may call ``sys.exit()`` at import or raise a
+    BaseException of its own, and the server must still answer the supervisor (and keep
+    serving the calls that do not need that module) instead of ending without a word.
+    """
+    try:
+        run(*args)
+    except BaseException as exc:
+        # Its traceback from the code it ran on, as when it was caught there.
+        frames = exc.__traceback__
+        return exc.with_traceback(frames.tb_next if frames is not None else None)
+    return None
+
+
+def _traceback_of(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def _prepare_and_preload(prep_data: dict[str, object], preload: tuple[str, ...]) -> None:
+    """Adopt the supervisor's ``sys.path`` and directory, then import the preload."""
+    multiprocessing.spawn.prepare(prep_data)
+    import_preload(preload)
+
+
 def _answer(fd: int, answer: bytes) -> None:
     """Answer a request on its own socket, then close it (the supervisor may be gone)."""
     try:
@@ -148,14 +175,12 @@ def main(control_fd: int, parent_pid: int) -> None:
     # garbage the import leaves is frozen with the rest below, as it would be anyway.
     thresholds = gc.get_threshold()
     gc.set_threshold(0)
-    try:
-        multiprocessing.spawn.prepare(prep_data)
-        import_preload(preload)
-    except UnforkablePreloadError as e:
-        sock.sendmsg([b"U" + str(e).encode(errors="replace")[: _MAX_MSG - 1]])
+    failure = _failure_of(_prepare_and_preload, prep_data, preload)
+    if isinstance(failure, UnforkablePreloadError):
+        sock.sendmsg([b"U" + str(failure).encode(errors="replace")[: _MAX_MSG - 1]])
         return
-    except BaseException:
-        _reply_error(sock, traceback.format_exc())
+    if failure is not None:
+        _reply_error(sock, _traceback_of(failure))
         return
     # Every object the preload made is moved out of the collector's reach: a worker's
     # first collections would otherwise walk (and so copy, page by page, from the
@@ -394,12 +419,11 @@ class _Server:
         if self._main_prep is not None:
             prep, self._main_prep = self._main_prep, None
             self._drop_spares(0)  # forked without it
-            try:
-                multiprocessing.spawn.prepare(prep)
-            except BaseException:
+            failure = _failure_of(multiprocessing.spawn.prepare, prep)
+            if failure is not None:
                 self._main_error = (
                     "the fork server could not import the supervisor's main module, "
-                    f"which the call refers to: {traceback.format_exc().strip()}"
+                    f"which the call refers to: {_traceback_of(failure).strip()}"
                 )
         return self._main_error
 

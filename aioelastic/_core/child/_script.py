@@ -85,6 +85,8 @@ def run_as_main(target: str, module: bool, args: tuple[str, ...]) -> None:
         interrupted = True
         _print_uncaught(exc)
     except BaseException as exc:
+        # Whatever else the script let out (a BaseException of its own, say) ends it as
+        # an uncaught exception ends the interpreter: printed, exit code 1.
         code = 1
         _print_uncaught(exc)
     code = _finalize(code)

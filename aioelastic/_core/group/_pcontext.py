@@ -21,6 +21,7 @@ import os
 import signal
 import time
 from collections.abc import Callable, Collection, Mapping
+from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
@@ -75,6 +76,9 @@ class PContext:
     Made by :func:`start_processes`; the workers start when the ``async with`` block is
     entered and are all stopped when it is left, however it is left.
     """
+
+    #: Holds the group's task group from ``__aenter__`` until the group is left.
+    _group: AsyncExitStack
 
     def __init__(self, spec: GroupSpec, hangs: HangConfig | None = None) -> None:
         self._spec = spec
@@ -186,31 +190,25 @@ class PContext:
             raise RuntimeError(f"PContext {self.name!r} was already started; make a new one")
         self._phase = Phase.STARTING
         _platform.ensure_default_sigchld()
-        prepared = await self._open_and_prepare()
-        # The log files no worker took over are closed however the start ends: all of
-        # them if it failed, none are left once every worker started.
-        try:
-            try:
-                try:
-                    if not watchdog.running():
-                        await _launchers.on_launcher_thread(watchdog.ensure_started)
-                except OSError as exc:
-                    preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
-            except BaseException:
-                await self._removing(self._hangs.close)
-                raise
+        async with AsyncExitStack() as always_cleanup, AsyncExitStack() as cleanup_on_fail:
+            await self._blocking(self._hangs.open)
+            cleanup_on_fail.push_async_callback(self._removing, self._hangs.close)
+            self._files, prepared = await preparing.prepare_group(
+                self._spec, self._method, self._hangs
+            )
+            # The log files no worker took over are closed however the start ends: all of
+            # them if it failed, none are left once every worker started.
+            always_cleanup.callback(preparing.close_logs, prepared)
+            await self._start_watchdog()
             self._callbacks = callback_context()
-            self._tg = anyio.create_task_group()
-            await self._tg.__aenter__()
-            try:
-                await self._start_all(prepared)
-            except BaseException as exc:
-                await self.close()
-                await self._tg.__aexit__(None, None, None)
-                raise exc
-        finally:
-            for rank_prep in prepared.values():
-                rank_prep.close_logs()
+            self._group = AsyncExitStack()
+            self._tg = await self._group.enter_async_context(anyio.create_task_group())
+            # From here a failed start is undone by close(), the group's one teardown,
+            # which removes the FIFOs with the group's other files.
+            cleanup_on_fail.pop_all()
+            cleanup_on_fail.push_async_callback(self._close_and_leave)
+            await self._start_all(prepared)
+            cleanup_on_fail.pop_all()
         if self._phase is Phase.STARTING:  # not stopped while starting
             self._phase = Phase.RUNNING
         if self._hangs.watching:
@@ -235,18 +233,13 @@ class PContext:
         """
         await _launchers.on_launcher_thread(fn)
 
-    async def _open_and_prepare(self) -> dict[int, preparing.Prepared]:
-        """The stack FIFOs, then the group's files, environments and calls."""
-        await self._blocking(self._hangs.open)
+    async def _start_watchdog(self) -> None:
+        """The watchdog process, started unless it runs (it guards every worker)."""
         try:
-            self._files, prepared = await preparing.prepare_group(
-                self._spec, self._method, self._hangs
-            )
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                await self._removing(self._hangs.close)
-            raise
-        return prepared
+            if not watchdog.running():
+                await _launchers.on_launcher_thread(watchdog.ensure_started)
+        except OSError as exc:
+            preparing.raise_start_error(exc, f"the watchdog process of {self.name!r}")
 
     async def _start_all(self, prepared: Mapping[int, preparing.Prepared]) -> None:
         assert self._files is not None
@@ -502,18 +495,22 @@ class PContext:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
+        await self._close_and_leave()
+        return None
+
+    async def _close_and_leave(self) -> None:
+        """:meth:`close`, then leave the group's task group (entered by ``__aenter__``)."""
         assert self._tg is not None
         try:
             await self.close()
         except asyncio.CancelledError:
             # asyncio's own cancellation, passed on by close() once its teardown ended:
             # the task group is exited first, or it would stay entered in this task.
-            await self._tg.__aexit__(None, None, None)
+            await self._group.aclose()
             raise
         # Outside any shield: a task group must be exited from the scope it was entered
         # in. Its tasks are all finished or shielded-and-ending by now, so this is quick.
-        await self._tg.__aexit__(None, None, None)
-        return None
+        await self._group.aclose()
 
 
 def start_processes(

@@ -14,7 +14,7 @@ import logging
 import os
 import resource
 import sys
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn, Protocol, TypeVar
@@ -113,6 +113,12 @@ class Prepared:
             os.close(self.log_fds.popitem()[1])
 
 
+def close_logs(prepared: Mapping[int, Prepared]) -> None:
+    """Close the log files no worker took over, of every rank in ``prepared``."""
+    for rank_prep in prepared.values():
+        rank_prep.close_logs()
+
+
 @dataclass(frozen=True)
 class GroupFiles:
     """Where a group's files are: its log root and each rank's directory."""
@@ -169,7 +175,8 @@ async def prepare_group(
     steps = _prepare_steps(spec, method, hangs)
     if not PREPARE_ON_LOOP:
         return await on_launcher_thread(_run_to_end, steps)
-    try:
+    # Closed early (a cancellation while it waited for its turn), the steps clean up.
+    with contextlib.closing(steps):
         while True:
             await pace()
             try:
@@ -177,9 +184,6 @@ async def prepare_group(
             except StopIteration as done:
                 prepared: tuple[GroupFiles, dict[int, Prepared]] = done.value
                 return prepared
-    except BaseException:
-        steps.close()  # a cancellation while it waited for its turn: the steps clean up
-        raise
 
 
 def _run_to_end(steps: Generator[None, None, T]) -> T:
@@ -206,7 +210,14 @@ def _prepare_steps(
     )
     prepared: dict[int, Prepared] = {}
     created: list[str] = []
-    try:
+    with contextlib.ExitStack() as cleanup_on_fail:
+        if spec.log_dir is None:
+            cleanup_on_fail.callback(log_root.discard, root)
+        else:
+            # Nothing started: the empty logs made so far would only make the next
+            # start with this log_dir refuse it for holding earlier output.
+            cleanup_on_fail.callback(_unlink_all, created)
+        cleanup_on_fail.callback(close_logs, prepared)
         # Every rank's call and environment first (a call that cannot be pickled
         # fails the start before any file exists), then the files.
         for rank in range(spec.nprocs):
@@ -228,21 +239,16 @@ def _prepare_steps(
                     raise
             _create_logs(spec.name, files, rank, prepared[rank], created)
             yield
-    except BaseException:
-        for rank_prep in prepared.values():
-            rank_prep.close_logs()
-        if spec.log_dir is None:
-            log_root.discard(root)
-        else:
-            # Nothing started: the empty logs made so far would only make the next
-            # start with this log_dir refuse it for holding earlier output.
-            for path in created:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        raise
+        cleanup_on_fail.pop_all()
     if files.temporary and any(files.logged):
         logger.info("aioelastic: logs of %r are in %s", spec.name, root)
     return files, prepared
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _create_logs(

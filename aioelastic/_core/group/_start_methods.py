@@ -135,7 +135,6 @@ class BinaryMethod:
                 # Killed and closed by record(); the others handed over still get recorded.
                 starter.errors.append((rank, exc))
 
-        interrupted: BaseException | None = None
         try:
             for rank in range(spec.nprocs):
                 await pace()
@@ -155,16 +154,13 @@ class BinaryMethod:
                     await record(*handed.popleft())
                     await pace()
             launcher.send_pending()
-        except BaseException as exc:
-            # Cancelled between slices: what was handed over may exist, so it is
-            # recorded first (it is torn down with the group), then this goes on.
-            interrupted = exc
-        with anyio.CancelScope(shield=True):
-            while handed:
-                await record(*handed.popleft())
-                await pace()
-        if interrupted is not None:
-            raise interrupted
+        finally:
+            # However this ends (cancelled between slices, too): what was handed over may
+            # exist, so it is recorded (it is torn down with the group) before this goes on.
+            with anyio.CancelScope(shield=True):
+                while handed:
+                    await record(*handed.popleft())
+                    await pace()
 
 
 class _FunctionMethod:

@@ -8,21 +8,25 @@ and output pumps; :meth:`GroupStarter.record` makes the started process a
 Cleanup after a start has two parts, as in trio's ``_open_process``: what always goes once
 the start was tried (the child's ends of its pipes: it holds its own copies by then,
 :meth:`Opening.close_child_ends`) and what goes only if the worker will not run (our
-ends, the pumps, the log files, :meth:`Opening.abort`). An :class:`Opening` knows what it
-holds rather than keeping exit stacks of callbacks: a callback is half a dozen objects
-for the garbage collector, made for every worker and kept through its start, and in a
-torch-loaded supervisor each full collection they bring on costs ~80 ms.
+ends, the pumps, the log files, :meth:`Opening.abort`). :meth:`GroupStarter.open` and
+:meth:`GroupStarter.record` clean up with exit stacks, which live and die within one step
+of the event loop. Across the launch, which waits, an :class:`Opening` is itself the
+context manager and knows what it holds: a stack's callbacks are half a dozen objects for
+the garbage collector, kept through the start of every worker, and in a torch-loaded
+supervisor each full collection they bring on costs ~80 ms.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import socket
 import string
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -112,6 +116,21 @@ class Opening:
             self._ours_let_go = True
             _close_ours(self.prepared, self.stdio, [self.stdout, self.stderr], self.res_r)
 
+    def __enter__(self) -> Opening:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """The launch was tried: the child's ends go, and all the rest if it failed."""
+        if exc_type is None:
+            self.close_child_ends()
+        else:
+            self.abort()
+
 
 #: Makes the process of an opened worker: one start method's launch.
 Launch = Callable[[Prepared, Opening], Awaitable[Launched]]
@@ -172,14 +191,8 @@ class GroupStarter:
         try:
             await pace()
             opening = self.open(rank)
-            try:
-                try:
-                    launched = await launch(self.prepared[rank], opening)
-                finally:
-                    opening.close_child_ends()
-            except BaseException:
-                opening.abort()
-                raise
+            with opening:
+                launched = await launch(self.prepared[rank], opening)
             # The process exists: only its record may follow, whatever is cancelled.
             with anyio.CancelScope(shield=True):
                 await pace()
@@ -190,11 +203,9 @@ class GroupStarter:
     def open(self, rank: int) -> Opening:
         """The pipes and pumps of a worker about to start (all closed if this fails)."""
         prepared = self.prepared[rank]
-        stdio: WorkerStdio | None = None
-        pumps: list[StreamPump] = []
-        res_r = res_w = -1
         # Every fd made here is closed on any failure (EMFILE can strike at each step).
-        try:
+        with contextlib.ExitStack() as cleanup_on_fail:
+            cleanup_on_fail.callback(prepared.close_logs)  # the ones no pump took
             stdout = self._pump_settings(rank, Std.OUT)
             stderr = self._pump_settings(rank, Std.ERR)
             stdio = open_worker_stdio(
@@ -203,31 +214,28 @@ class GroupStarter:
                 single_worker=self.spec.nprocs == 1,
                 terminals=self._terminals,
             )
+            cleanup_on_fail.callback(_close_child_ends, stdio, -1)
+            pumps: list[StreamPump] = []
+            cleanup_on_fail.callback(_close_pumped, stdio, pumps)
+            res_r = res_w = -1
             if self._result_pipe:
                 res_r, res_w = os.pipe2(os.O_CLOEXEC)
+                cleanup_on_fail.callback(os.close, res_r)
+                cleanup_on_fail.callback(os.close, res_w)
             for fd, settings, live, stream in (
                 (stdio.stdout_r, stdout, stdio.live_stdout, Std.OUT),
                 (stdio.stderr_r, stderr, stdio.live_stderr, Std.ERR),
             ):
-                log_fd = prepared.take_log(stream)
-                try:
-                    pumps.append(StreamPump(fd, **settings, live=live, log_fd=log_fd))
-                except BaseException:
-                    if log_fd is not None:
-                        os.close(log_fd)
-                    raise
-        except BaseException:
-            if stdio is not None:
-                _close_ours(prepared, stdio, pumps, res_r)
-                _close_child_ends(stdio, res_w)
-            else:
-                prepared.close_logs()
-            raise
+                log_fd = prepared.log_fds.get(stream)
+                pumps.append(StreamPump(fd, **settings, live=live, log_fd=log_fd))
+                prepared.take_log(stream)  # only now: the pump made owns it
+            cleanup_on_fail.pop_all()
         return Opening(prepared, stdio, pumps[0], pumps[1], res_r, res_w)
 
     async def record(self, rank: int, opening: Opening, launched: Launched) -> None:
         """Make the started process a worker of the group, watched and pumped."""
-        try:
+        async with contextlib.AsyncExitStack() as cleanup_on_fail:
+            cleanup_on_fail.push_async_callback(_undo_launch, opening, launched)
             watchdog.watch(launched.pid)
             self._hangs.started(rank, launched.pid)
             worker = WorkerProcess(
@@ -242,15 +250,7 @@ class GroupStarter:
             )
             launched.watch.on_exit(functools.partial(self._on_exit, worker))
             runtime.worker_leaders.add(launched.pid)  # until stop_workers reaps it
-        except BaseException:
-            # The process exists but nothing would ever stop or reap it: do both now.
-            with anyio.CancelScope(shield=True):
-                await on_launcher_thread(kill_and_reap, launched)
-            watchdog.forget(launched.pid)
-            opening.abort()
-            if launched.payload_fd is not None:
-                os.close(launched.payload_fd)
-            raise
+            cleanup_on_fail.pop_all()
         opening.recorded()
         self._workers.append(worker)
         # Reader callbacks, not tasks: a task costs a few kB, two per worker.
@@ -314,6 +314,17 @@ class GroupStarter:
         }
 
 
+async def _undo_launch(opening: Opening, launched: Launched) -> None:
+    """Kill and reap a started process that will not be recorded, and close its fds."""
+    # The process exists but nothing would ever stop or reap it: do both now.
+    with anyio.CancelScope(shield=True):
+        await on_launcher_thread(kill_and_reap, launched)
+    watchdog.forget(launched.pid)
+    opening.abort()
+    if launched.payload_fd is not None:
+        os.close(launched.payload_fd)
+
+
 def _close_child_ends(stdio: WorkerStdio, res_w: int) -> None:
     """Close the descriptors made for the child (its copies are its own)."""
     if res_w >= 0:
@@ -332,6 +343,12 @@ def _close_ours(
     """
     if res_r >= 0:
         os.close(res_r)
+    _close_pumped(stdio, pumps)
+    prepared.close_logs()
+
+
+def _close_pumped(stdio: WorkerStdio, pumps: list[StreamPump]) -> None:
+    """Finish the pumps (closing their pipes and logs), then close the ends none owns."""
     owned = set()
     for pump in pumps:
         owned.add(pump.fileno())
@@ -339,7 +356,6 @@ def _close_ours(
     for fd in stdio.parent_ends():
         if fd not in owned:
             os.close(fd)
-    prepared.close_logs()
 
 
 def _shown_rank(spec: GroupSpec, rank: int) -> int:

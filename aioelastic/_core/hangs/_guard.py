@@ -130,7 +130,10 @@ class HangGuard:
     def open(self) -> None:
         """Create the stack FIFOs and, if enabled, the timer FIFO."""
         self._stacks.open()
-        if self.config.file_timer:
+        if not self.config.file_timer:
+            return
+        with contextlib.ExitStack() as cleanup_on_fail:
+            cleanup_on_fail.callback(self._stacks.close)
             path = self.config.timer_file
             if path is None:
                 fd, name = tempfile.mkstemp(prefix="aioelastic_timer_", suffix=".fifo")
@@ -138,11 +141,8 @@ class HangGuard:
                 os.unlink(name)  # only the unique name is wanted: mkfifo creates it
                 path = Path(name)
             self._timer = TimerServer(path, self._owner.get)
-            try:
-                self._timer.open()
-            except BaseException:
-                self._stacks.close()
-                raise
+            self._timer.open()
+            cleanup_on_fail.pop_all()
 
     def fds(self) -> list[int]:
         """The supervisor's own FIFO descriptors (a forked worker must close them)."""
@@ -374,7 +374,9 @@ async def stack_requests(
         try:
             yield
         except BaseException as exc:
-            error = exc  # re-raised outside the task group, unwrapped
+            # Whatever ends the block is re-raised outside the task group, which would
+            # wrap it (a KeyboardInterrupt, too) in an exception group.
+            error = exc
         finally:
             tg.cancel_scope.cancel()
     if error is not None:

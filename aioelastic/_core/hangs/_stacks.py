@@ -13,6 +13,7 @@ gone) costs at most that, and never delays a teardown beyond it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -106,14 +107,13 @@ class StackChannels:
         if not self._ranks:
             return
         self._dir = Path(tempfile.mkdtemp(prefix="aioelastic_stacks_"))
-        try:
+        with contextlib.ExitStack() as cleanup_on_fail:
+            cleanup_on_fail.callback(self.close)
             for rank in self._ranks:
                 channel = StackChannel(self._dir / f"{rank}.fifo")
                 channel.open()
                 self.channels[rank] = channel
-        except BaseException:
-            self.close()
-            raise
+            cleanup_on_fail.pop_all()
 
     async def capture(
         self, pids: Mapping[int, int], timeout: float = DEFAULT_TIMEOUT

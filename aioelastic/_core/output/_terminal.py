@@ -192,7 +192,8 @@ def open_worker_stdio(
         documentation), else ``/dev/null``.
     """
     opened: list[int] = []
-    try:
+    with contextlib.ExitStack() as cleanup_on_fail:
+        cleanup_on_fail.callback(_close_all, opened)
         out = _open(stdout_plain and terminals.stdout, opened)
         err = _open(stderr_plain and terminals.stderr, opened)
         at_terminal = Live.EVERYTHING if single_worker else Live.FRAMES
@@ -210,11 +211,13 @@ def open_worker_stdio(
                 opened.append(stdio._masters[-1])
         if terminals.stdin:
             _open_stdin(stdio, out, err, opened)
-        return stdio
-    except BaseException:
-        for fd in opened:
-            os.close(fd)
-        raise
+        cleanup_on_fail.pop_all()
+    return stdio
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _open_stdin(

@@ -423,6 +423,8 @@ class BinaryLauncher:
                 send_batch, self._base_env, starts, block=True
             ).add_done_callback(on_thread_done)
         except BaseException as exc:
+            # Whatever stopped the hand-off is the batch's outcome: each start's future
+            # must be settled, or the task awaiting it (shielded) would wait forever.
             self._answered(batch, exc)
 
     def _listen_or_fail(

@@ -16,6 +16,7 @@ start is retried once on it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import functools
 import logging
@@ -181,48 +182,44 @@ class ForkServer:
                 starting.done.set()
 
     async def _start_server(self) -> tuple[socket.socket, subprocess.Popen[bytes]]:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            # On a launcher thread: the server's parent-death signal is bound to the
-            # thread that creates it, and launcher threads live as long as we do.
-            popen = await on_launcher_thread(
-                start_python,
-                f"from {_forkserver_process.__name__} import main; "
-                f"main({theirs.fileno()}, {os.getpid()})",
-                # Marked too: a worker's fork without exec shows the server's environment.
-                {**os.environ, **lineage_env(os.environ)},
-                None,
-                None,
-                (theirs.fileno(),),
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        try:
-            prep = preparation_data("aioelastic-forkserver")
-            ours.sendmsg([pickle.dumps((prep, self.preload))])
-            # Not on a thread: the preload import may take many seconds, and a cancelled
-            # start must return at once (then the half-started server is killed).
-            await anyio.wait_readable(ours)
-            answer = ours.recv(_MAX_MSG)
-        except (BrokenPipeError, ConnectionResetError):
-            answer = b""  # it died before reading its setup: reported below
-        except BaseException:
-            ours.close()
-            _kill_and_reap(popen)
-            raise
-        if answer != b"K":
-            ours.close()
-            _kill_and_reap(popen)
-            detail = answer[1:].decode(errors="replace") if answer else "it exited at start"
-            if answer[:1] == b"U":
-                raise ForkServerError(f"the fork server cannot fork workers safely: {detail}")
-            raise ForkServerError(
-                f"the fork server could not import forkserver_preload={list(self.preload)}: "
-                f"{detail.strip()}"
-            )
+        with contextlib.ExitStack() as cleanup_on_fail:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cleanup_on_fail.callback(ours.close)
+            # Ours closed once the server holds its copy: left open, it would keep the
+            # end-of-file of a server that dies at start from us.
+            with theirs:
+                # On a launcher thread: the server's parent-death signal is bound to the
+                # thread that creates it, and launcher threads live as long as we do.
+                popen = await on_launcher_thread(
+                    start_python,
+                    f"from {_forkserver_process.__name__} import main; "
+                    f"main({theirs.fileno()}, {os.getpid()})",
+                    # Marked too: a worker's fork without exec shows the server's environment.
+                    {**os.environ, **lineage_env(os.environ)},
+                    None,
+                    None,
+                    (theirs.fileno(),),
+                )
+            cleanup_on_fail.callback(_kill_and_reap, popen)
+            try:
+                prep = preparation_data("aioelastic-forkserver")
+                ours.sendmsg([pickle.dumps((prep, self.preload))])
+                # Not on a thread: the preload import may take many seconds, and a
+                # cancelled start must return at once (then the half-started server is
+                # killed).
+                await anyio.wait_readable(ours)
+                answer = ours.recv(_MAX_MSG)
+            except (BrokenPipeError, ConnectionResetError):
+                answer = b""  # it died before reading its setup: reported below
+            if answer != b"K":
+                detail = answer[1:].decode(errors="replace") if answer else "it exited at start"
+                if answer[:1] == b"U":
+                    raise ForkServerError(f"the fork server cannot fork workers safely: {detail}")
+                raise ForkServerError(
+                    f"the fork server could not import forkserver_preload={list(self.preload)}: "
+                    f"{detail.strip()}"
+                )
+            cleanup_on_fail.pop_all()
         return ours, popen
 
     async def _request_worker(
@@ -273,10 +270,14 @@ class ForkServer:
         block: bool,
     ) -> _Request:
         """Send one start request; with ``block=False`` raise BlockingIOError if it would wait."""
-        answers, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        status_r = status_w = payload_r = payload_w = -1
-        try:
+        # The server's ends are closed once sent (it holds copies), ours only if not sent.
+        with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
+            answers, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cleanup_on_fail.callback(answers.close)
+            always_cleanup.callback(theirs.close)
             status_r, status_w = os.pipe2(os.O_CLOEXEC)
+            cleanup_on_fail.callback(os.close, status_r)
+            always_cleanup.callback(os.close, status_w)
             # With no stdout_fd: *our* current stdout, not the one the server started with.
             out = 1 if stdout_fd is None else stdout_fd
             fds = [theirs.fileno(), stderr_fd, result_fd, status_w, out]
@@ -284,8 +285,11 @@ class ForkServer:
             if stdin_fd is not None:
                 fds.append(stdin_fd)
             message = b"C" + stdin + call
+            payload_w = None
             if len(call) > INLINE_CALL_MAX:
                 payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
+                always_cleanup.callback(os.close, payload_r)
+                cleanup_on_fail.callback(os.close, payload_w)
                 fds.append(payload_r)
                 message = b"S" + stdin
             if sock is not self._sock:
@@ -300,18 +304,8 @@ class ForkServer:
                 if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.EBADF, errno.ENOTCONN):
                     raise _ServerGone(f"{type(e).__name__} on its socket") from e
                 raise
-        except BaseException:
-            answers.close()
-            for fd in (status_r, payload_w):
-                if fd >= 0:
-                    os.close(fd)
-            raise
-        finally:
-            theirs.close()
-            for fd in (status_w, payload_r):
-                if fd >= 0:
-                    os.close(fd)
-        return _Request(answers, status_r, None if payload_w < 0 else payload_w)
+            cleanup_on_fail.pop_all()
+        return _Request(answers, status_r, payload_w)
 
     def _discard(self, sock: socket.socket) -> int | None:
         """Forget the dead server behind ``sock`` (kill and reap it); returns its pid."""

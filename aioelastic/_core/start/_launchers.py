@@ -19,6 +19,7 @@ shared by every loop, and a forked child that supervises workers builds its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -88,16 +89,21 @@ def kill_and_reap(launched: Launched) -> None:
 
 def _watch_or_kill(pid: int) -> ExitWatch:
     """``watch_child(pid)``; if that fails (EMFILE on the pidfd), the child is not left behind."""
+    with contextlib.ExitStack() as cleanup_on_fail:
+        cleanup_on_fail.callback(_kill_and_wait, pid)
+        watch = watch_child(pid)
+        cleanup_on_fail.pop_all()
+    return watch
+
+
+def _kill_and_wait(pid: int) -> None:
+    """SIGKILL our child ``pid`` (and its group) and reap it."""
+    _platform.signal_group(pid, signal.SIGKILL)
     try:
-        return watch_child(pid)
-    except BaseException:
-        _platform.signal_group(pid, signal.SIGKILL)
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
-        runtime.own_children.discard(pid)
-        raise
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    runtime.own_children.discard(pid)
 
 
 def _register(popen: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
@@ -181,8 +187,10 @@ def start_spawn(
     stdin_fd: int | None = None,
 ) -> Launched:
     """Start a spawned function worker; the caller writes the call to ``payload_fd``."""
-    payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
-    try:
+    with contextlib.ExitStack() as always_cleanup, contextlib.ExitStack() as cleanup_on_fail:
+        payload_r, payload_w = os.pipe2(os.O_CLOEXEC)
+        always_cleanup.callback(os.close, payload_r)  # the child's end
+        cleanup_on_fail.callback(os.close, payload_w)
         popen = start_python(
             "from aioelastic._core.process._platform import default_signal_state; "
             "default_signal_state(python=True); "
@@ -194,19 +202,10 @@ def start_spawn(
             pass_fds=(payload_r, result_fd),
             stdin_fd=stdin_fd,
         )
-    except BaseException:
-        os.close(payload_w)
-        raise
-    finally:
-        os.close(payload_r)
-    try:
-        watch = _watch_or_kill(popen.pid)
-    except BaseException:
-        os.close(payload_w)
-        raise
-    finally:
         # Reaped by us either way: subprocess must never poll this pid (see _disown).
-        _disown(popen)
+        always_cleanup.callback(_disown, popen)
+        watch = _watch_or_kill(popen.pid)
+        cleanup_on_fail.pop_all()
     return Launched(popen.pid, watch, payload_fd=payload_w)
 
 

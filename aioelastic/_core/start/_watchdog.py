@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import signal
 import socket
@@ -90,9 +91,12 @@ class Watchdog:
         if self._sock is not None and self._popen is not None and self._popen.poll() is None:
             return self._sock
         self._close()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            with _subreaper.creation_guard():
+        with contextlib.ExitStack() as cleanup_on_fail:
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            cleanup_on_fail.callback(ours.close)
+            # Ours closed once the watchdog holds its copy: left open, it would keep the
+            # end-of-file of a watchdog that dies at start from us.
+            with theirs, _subreaper.creation_guard():
                 popen = subprocess.Popen(
                     [
                         sys.executable,
@@ -110,14 +114,12 @@ class Watchdog:
                     **_platform.new_group_popen_kwargs(),
                 )
                 runtime.own_children.add(popen.pid)
-        finally:
-            theirs.close()
-        # Wait for its prctl: only then does it outlive us long enough to act.
-        if ours.recv(_MAX_MSG) != b"K":
-            ours.close()
-            popen.wait()
-            runtime.own_children.discard(popen.pid)
-            raise RuntimeError(f"the watchdog process exited at start ({popen.returncode})")
+            cleanup_on_fail.callback(_reap_failed_start, popen, ours)
+            # Wait for its prctl: only then does it outlive us long enough to act.
+            if ours.recv(_MAX_MSG) != b"K":
+                cleanup_on_fail.close()  # reaped now, for its exit status
+                raise RuntimeError(f"the watchdog process exited at start ({popen.returncode})")
+            cleanup_on_fail.pop_all()
         self._popen, self._sock = popen, ours
         return ours
 
@@ -251,6 +253,13 @@ class Watchdog:
         self._spawned = set()
         self._releases = []
         self._messages = HelperMessages(lambda: self._sock)
+
+
+def _reap_failed_start(popen: subprocess.Popen[bytes], ours: socket.socket) -> None:
+    """Reap a watchdog whose start failed, once our end is closed (it exits on that)."""
+    ours.close()
+    popen.wait()
+    runtime.own_children.discard(popen.pid)
 
 
 #: The watchdog of this process (started on first use).
