@@ -345,7 +345,10 @@ def test_every_core_module_a_pickle_may_name_kept_its_old_path() -> None:
             if public_errors:
                 named.add(module)
     old = _old_core_paths()
-    assert sorted(m for m in named if m.startswith(CORE + ".") and m not in old) == []
+    # Made since: GroupOptions is new, and start_processes and run_processes, which a
+    # pickle names by _pcontext, are still found there (tests/core/group/test_options.py).
+    new = {f"{CORE}.group._options", f"{CORE}.group._processes"}
+    assert sorted(m for m in named if m.startswith(CORE + ".") and m not in {*old, *new}) == []
 
 
 def _with_old_core_paths(data: bytes) -> bytes:

@@ -36,7 +36,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,9 @@ import anyio
 
 from ..._core.aio._backend import require_asyncio
 from ..._core.aio._signals import SignalReceived, SignalScope, handle_signals
-from ..._core.group._pcontext import PContext, start_processes
+from ..._core.group._options import GroupOptions, keyword_signature
+from ..._core.group._pcontext import PContext
+from ..._core.group._processes import start_processes
 from ..._core.hangs._guard import stack_requests
 from ..._core.hangs._stall import StallReport
 from ..._core.output import _log_root as log_root
@@ -115,19 +117,6 @@ class LocalElasticAgent:
         exit_barrier_timeout: after its workers succeeded, how long the agent waits for
             the other nodes to finish theirs (torch's barrier; torch hard-codes 300 s
             for torchrun).
-        log_line_prefix_template: the console prefix as a template with ``${role_name}``,
-            ``${rank}``, ``${local_rank}``, ``${hostname}``.
-        local_ranks_filter: local ranks whose console output is shown (all when None).
-        ranks_filter: global ranks whose console output is shown (all when None), across
-            nodes: ``"0,8-15"`` or a collection; a filtered rank's failure is still
-            reported in full.
-        collapse_identical_lines: a window in seconds (e.g. ``0.25``): a console line
-            that several local ranks write identically within it is printed once, as
-            ``[ranks 0-7]: text`` (the rank numbers the prefix shows); log files and
-            ``output()`` still get every copy. Off when None. Each node collapses its own
-            ranks.
-        forkserver_preload: modules the fork server imports once; restarts reuse the warm
-            server, so a restart costs a fork instead of a fresh interpreter.
         signals_to_handle: signals that stop the run, as torch names them
             (``"SIGTERM,SIGINT,SIGHUP,SIGQUIT"``); ``""`` handles none (a host program
             that handles signals itself; cancel ``run()`` instead). ``None``: torch's
@@ -140,19 +129,18 @@ class LocalElasticAgent:
         run_id: the job id of the single-node rendezvous the agent makes itself when the
             spec has no ``rdzv_handler`` (default: a fresh UUID; ``"none"`` with
             ``master_port``, torchrun's default).
-        stall_timeout: seconds without output or timer request from any local worker
-            after which the attempt is stopped as stalled, every rank's stack in its
-            failure; a failure like any other, so it restarts per ``max_restarts``. Off
-            when ``None``. ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves torch's file timer;
-            ``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer (docs/hangs.md).
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
-        stop_leader_first: whenever the agent stops its workers (a failure, a signal, a
-            restart), the stop signal goes to each worker alone and to the rest of its
-            process group once the worker exited, so that a trainer that checkpoints on
-            SIGTERM keeps its data-loader processes while it saves (`start_processes`);
-            False (the default, as torchrun): the whole group at once.
+        options: the options of each attempt's group of workers, a `GroupOptions`
+            (every attempt is stopped with its grace period and stop order; each node
+            collapses its own ranks' lines).
+        **group_options: any field of `GroupOptions` by torch's name for it
+            (``log_line_prefix_template``, the console filters, ``forkserver_preload``,
+            ``stall_timeout``...), as before the record existed; ``redirects``, ``tee``
+            and ``shutdown_timeout`` (its ``grace``) above are fields of it too. A value
+            at its default leaves the field of ``options``; a field set differently in
+            both places is a TypeError.
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -174,19 +162,14 @@ class LocalElasticAgent:
         shutdown_timeout: float = 30.0,
         *,
         exit_barrier_timeout: float = 300.0,
-        log_line_prefix_template: str | None = None,
-        local_ranks_filter: Collection[int] | None = None,
-        forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
-        ranks_filter: Collection[int] | str | None = None,
-        stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
-        stop_leader_first: bool = False,
-        collapse_identical_lines: float | None = None,
+        options: GroupOptions | None = None,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
+        **group_options: Any,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be an aioelastic WorkerSpec, got {type(spec).__name__}")
@@ -195,21 +178,16 @@ class LocalElasticAgent:
             nprocs=spec.local_world_size,
             start_method=start_method,
             log_dir=log_dir,
+            exit_barrier_timeout=exit_barrier_timeout,
+            signals_to_handle=signals_to_handle,
+            run_id=run_id,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            options=options,
             redirects=redirects,
             tee=tee,
             shutdown_timeout=shutdown_timeout,
-            exit_barrier_timeout=exit_barrier_timeout,
-            log_line_prefix_template=log_line_prefix_template,
-            local_ranks_filter=local_ranks_filter,
-            ranks_filter=ranks_filter,
-            forkserver_preload=forkserver_preload,
-            signals_to_handle=signals_to_handle,
-            run_id=run_id,
-            stall_timeout=stall_timeout,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            stop_leader_first=stop_leader_first,
-            collapse_identical_lines=collapse_identical_lines,
+            **group_options,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -225,6 +203,13 @@ class LocalElasticAgent:
         self._restart_count = 0
         self._attempt = 0
         self._run_id = ""
+
+    # help() shows the options' keyword arguments, which come from GroupOptions' table.
+    setattr(  # noqa: B010  (a function's __signature__ is not known to type checkers)
+        __init__,
+        "__signature__",
+        keyword_signature(__init__, torch=True, skip=("redirects", "tee", "shutdown_timeout")),
+    )
 
     # -- public surface ----------------------------------------------------------------
 
@@ -638,15 +623,7 @@ class LocalElasticAgent:
             envs=envs,
             log_dir=self._log_root / f"attempt_{self._attempt}",
             start_method=self._config.start_method,
-            redirects=self._config.redirects,
-            tee=self._config.tee,
-            grace_period=self._config.shutdown_timeout,
-            forkserver_preload=self._config.forkserver_preload,
-            local_ranks_filter=self._shown_ranks(),
-            log_line_prefix=self._config.log_line_prefix_template,
-            stall_timeout=self._config.stall_timeout,
-            stop_leader_first=self._config.stop_leader_first,
-            collapse_identical_lines=self._config.collapse_identical_lines,
+            options=self._config.options,
         )
         self._output.new_attempt()
         ctx.tell_stalls_with(self._tell_stall)
@@ -724,15 +701,6 @@ class LocalElasticAgent:
             self._ctx = None
             for worker in group.workers:
                 worker.id = None
-
-    def _shown_ranks(self) -> frozenset[int] | None:
-        """This attempt's local ranks shown on the console (both filters), None for all."""
-        shown = self._config.local_ranks_filter
-        wanted = self._config.ranks_filter
-        if wanted is not None:
-            by_global = {w.local_rank for w in self._group.workers if w.global_rank in wanted}
-            shown = frozenset(by_global if shown is None else by_global & shown)
-        return shown
 
     def _end_of(self, failures: Mapping[int, ProcessFailure]) -> AttemptEnd:
         """What the other nodes are told when this node's workers failed (by local rank)."""
