@@ -132,15 +132,19 @@ class LocalElasticAgent:
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
-        options: the options of each attempt's group of workers, a `GroupOptions`
-            (every attempt is stopped with its grace period and stop order; each node
-            collapses its own ranks' lines).
+        options: the options of each attempt's group of workers, a `GroupOptions`:
+            whenever the agent stops its workers (a failure, a signal, a restart) it is
+            with their grace period and stop order; a stall is a failure like any other,
+            restarted per ``max_restarts``, every rank's stack in its failure
+            (``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer, docs/hangs.md);
+            the console filters take global ranks across nodes; each node collapses its
+            own ranks' lines; restarts reuse the warm fork server.
         **group_options: any field of `GroupOptions` by torch's name for it
             (``log_line_prefix_template``, the console filters, ``forkserver_preload``,
             ``stall_timeout``...), as before the record existed; ``redirects``, ``tee``
-            and ``shutdown_timeout`` (its ``grace``) above are fields of it too. A value
-            at its default leaves the field of ``options``; a field set differently in
-            both places is a TypeError.
+            and ``shutdown_timeout`` (its grace period) above are fields of it too. A
+            value at its default leaves the field of ``options``; a field set differently
+            in both places is a TypeError.
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
