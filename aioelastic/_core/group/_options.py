@@ -170,6 +170,7 @@ class GroupOptions:
         options: GroupOptions | None = None,
         torch: bool = False,
         caller: str = "GroupOptions",
+        nprocs: int | None = None,
     ) -> GroupOptions:
         """``options`` with the torch-shaped keyword arguments ``given`` merged in.
 
@@ -183,6 +184,8 @@ class GroupOptions:
             options: the record they are merged into; the defaults when None.
             torch: ``given`` uses torch's names (``shutdown_timeout``...) where they differ.
             caller: the API named when ``given`` holds a name that is not an option.
+            nprocs: the number of local ranks, when known: a value naming local ranks
+                is checked against it as it is parsed (see `for_ranks`).
 
         Raises:
             ValueError, TypeError: a bad value, an unknown name, or a field set twice.
@@ -197,7 +200,10 @@ class GroupOptions:
             f = by_name.get(name)
             if f is None:
                 raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
-            parsed = values.field(name, f.metadata["parse"], value)
+            parse = f.metadata["parse"]
+            if nprocs is not None and f.metadata["ranks"]:  # its ranks first, as to_map
+                values.field(name, functools.partial(parse, nprocs=nprocs), value)
+            parsed = values.field(name, parse, value)
             if parsed == f.default:
                 continue
             mine = getattr(options, f.name)

@@ -437,13 +437,3 @@ class PContext(GroupViews):
         # in. Its tasks are all finished or shielded-and-ending by now, so this is quick.
         await self._tg.__aexit__(None, None, None)
         return None
-
-
-def __getattr__(name: str) -> object:
-    # start_processes and run_processes were defined here, and a pickle names a function
-    # by its module: they are still found here (imported late, as they import this module).
-    if name in ("start_processes", "run_processes"):
-        from . import _processes
-
-        return getattr(_processes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -60,8 +60,6 @@ def start_processes(
     Raises:
         ValueError, TypeError: On any invalid argument, before anything starts.
     """
-    given = {"redirects": redirects, "tee": tee, **keywords}
-    record = GroupOptions.of(given, options=options, caller="start_processes")
     spec = validate(
         name=name,
         entrypoint=entrypoint,
@@ -69,9 +67,10 @@ def start_processes(
         envs=envs,
         log_dir=log_dir,
         start_method=start_method,
-        options=record,
+        options=options,
+        keywords={"redirects": redirects, "tee": tee, **keywords},
     )
-    hangs = HangConfig.from_env(os.environ, stall_timeout=record.stall_timeout)
+    hangs = HangConfig.from_env(os.environ, stall_timeout=spec.options.stall_timeout)
     return PContext(spec, hangs)
 
 

@@ -61,9 +61,14 @@ def validate(
     envs: Mapping[int, Mapping[str, Any]],
     log_dir: str | os.PathLike[str] | None,
     start_method: str,
-    options: GroupOptions,
+    options: GroupOptions | None,
+    keywords: Mapping[str, Any],
 ) -> GroupSpec:
-    """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
+    """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse.
+
+    ``keywords`` are the group's options given as keyword arguments, merged into
+    ``options`` (see `GroupOptions.of`).
+    """
     check_not_importing_main("start_processes()")
     values.field("name", values.name, name)
     nprocs = _check_ranks(args, envs)
@@ -80,7 +85,9 @@ def validate(
             f"entrypoint must be a callable (function workers) or a str (a binary to run), "
             f"got {type(entrypoint).__name__}: {entrypoint!r}"
         )
-    options = options.for_ranks(nprocs)
+    options = GroupOptions.of(
+        keywords, options=options, caller="start_processes", nprocs=nprocs
+    ).for_ranks(nprocs)
     check_preload(options.forkserver_preload)
     return GroupSpec(
         name=name,

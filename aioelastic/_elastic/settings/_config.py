@@ -102,7 +102,7 @@ class AgentConfig:
         if signal_text is None:
             signal_text = env.get(SIGNALS_ENV, node_values.DEFAULT_SIGNALS_TO_HANDLE)
         group = GroupOptions.of(
-            group_options, options=options, torch=True, caller="LocalElasticAgent"
+            group_options, options=options, torch=True, caller="LocalElasticAgent", nprocs=nprocs
         )
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),

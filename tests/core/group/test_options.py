@@ -84,11 +84,6 @@ def test_run_processes_has_the_signature_of_start_processes() -> None:
     ]
     agent = inspect.signature(LocalElasticAgent)
     assert set(option_names(torch=True)) <= set(agent.parameters)
-    # Where they were defined before, for what a pickle names.
-    from aioelastic._core.group import _pcontext
-
-    assert _pcontext.start_processes is aioelastic.start_processes
-    assert _pcontext.run_processes is aioelastic.run_processes
 
 
 @pytest.mark.asyncio
