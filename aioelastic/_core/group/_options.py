@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import textwrap
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -263,7 +264,8 @@ def _documented(cls: type[GroupOptions]) -> type[GroupOptions]:
     lines = ["", "    Attributes:"]
     for f in dataclasses.fields(cls):
         torch = f" (``{f.metadata['torch']}`` in torch's APIs)" if f.metadata["torch"] else ""
-        lines.append(f"        {f.name}: {f.metadata['doc']}{torch}")
+        text = f"{f.name}: {f.metadata['doc']}{torch}"
+        lines += textwrap.wrap(text, 88, initial_indent=" " * 8, subsequent_indent=" " * 12)
     cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n" + "\n".join(lines) + "\n"
     return cls
 
