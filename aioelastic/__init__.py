@@ -27,8 +27,9 @@ if TYPE_CHECKING:
         spawn as spawn,
     )
     from ._core.aio._signals import SignalReceived as SignalReceived
-    from ._core.group._pcontext import (
-        PContext as PContext,
+    from ._core.group._options import GroupOptions as GroupOptions
+    from ._core.group._pcontext import PContext as PContext
+    from ._core.group._processes import (
         run_processes as run_processes,
         start_processes as start_processes,
     )
@@ -82,8 +83,9 @@ if TYPE_CHECKING:
 _EXPORTS = {
     # Running a group of workers
     "PContext": "._core.group._pcontext",
-    "run_processes": "._core.group._pcontext",
-    "start_processes": "._core.group._pcontext",
+    "GroupOptions": "._core.group._options",
+    "run_processes": "._core.group._processes",
+    "start_processes": "._core.group._processes",
     # Results and errors
     "ChildFailedError": "._core.reports._failures",
     "ProcessFailure": "._core.reports._failures",

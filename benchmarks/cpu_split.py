@@ -126,7 +126,7 @@ def _measure(run: Callable[[], object]) -> dict[str, float]:
 
 
 def _ours(n: int, log_dir: str) -> dict[str, float]:
-    from aioelastic._core.group._pcontext import run_processes
+    from aioelastic._core.group._processes import run_processes
     from aioelastic._core.start._watchdog import watchdog
 
     async def run() -> None:

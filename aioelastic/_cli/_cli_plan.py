@@ -13,6 +13,7 @@ accelerators.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import uuid
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._core.child import _stack_hook as stack_hook
+from .._core.group._options import GroupOptions, option_names
 from .._core.output._std import Std, to_map
 from .._core.process import _values as values
 from .._elastic.agent._types import RestartBackoff
@@ -89,6 +91,18 @@ class CommandLine:
         return self.entrypoint, self.args
 
 
+@dataclass(frozen=True)
+class _Rendezvous:
+    """Where the nodes meet, by torchrun's rules: `LaunchConfig`'s rendezvous fields."""
+
+    backend: str
+    endpoint: str
+    run_id: str
+    configs: dict[str, Any]
+    #: The static backend (a fixed set of nodes, the store at a known address).
+    static: bool
+
+
 def config_from_args(
     args: argparse.Namespace,
     environ: Mapping[str, str] | None = None,
@@ -116,18 +130,49 @@ def config_from_args(
         environ = os.environ
     _refuse_unsupported(args)
     warnings: list[str] = []
-    min_nodes, max_nodes = args.nnodes
-    nnodes_text = f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
     nproc = (nproc_resolver or resolve_nproc_per_node)(args.nproc_per_node)
+    rdzv = _rendezvous(args, _check_nodes(args, warnings), warnings)
+    options = _group_options(args, nproc)
+    command = _command(args, environ)
+    if args.preload:
+        python = environ.get("PYTHON_EXEC")
+        if python is not None and python != sys.executable:
+            warnings.append(
+                f"--preload forks workers from this launcher's interpreter "
+                f"({sys.executable}); PYTHON_EXEC={python!r} is not used"
+            )
+    return _launch_config(args, nproc, rdzv, options), CommandLine(
+        entrypoint=command[0],
+        args=command[1],
+        run_path=args.run_path,
+        module=args.module and not args.run_path,
+        preload=args.preload,
+        log_dir=args.log_dir,
+        warnings=tuple(warnings),
+    )
 
-    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+
+def _nnodes_text(args: argparse.Namespace) -> str:
+    """``--nnodes`` as given: ``N`` or ``MIN:MAX``."""
+    min_nodes, max_nodes = args.nnodes
+    return f"{min_nodes}" if min_nodes == max_nodes else f"{min_nodes}:{max_nodes}"
+
+
+def _check_nodes(args: argparse.Namespace, warnings: list[str]) -> bool:
+    """Check what the node flags say together; whether the rendezvous is static.
+
+    Raises:
+        ValueError: a combination that cannot work, naming the flags.
+    """
+    min_nodes, max_nodes = args.nnodes
+    backend = args.rdzv_backend
     if args.standalone:
         given = [
             f"{name}={value!r}"
             for name, value, default in (
                 ("--rdzv-backend", backend, "static"),
-                ("--rdzv-endpoint", endpoint, ""),
-                ("--rdzv-id", run_id, "none"),
+                ("--rdzv-endpoint", args.rdzv_endpoint, ""),
+                ("--rdzv-id", args.rdzv_id, "none"),
             )
             if value != default
         ]
@@ -138,7 +183,7 @@ def config_from_args(
             )
         if max_nodes != 1:
             raise ValueError(
-                f"--standalone runs a single node, but --nnodes={nnodes_text}; drop "
+                f"--standalone runs a single node, but --nnodes={_nnodes_text(args)}; drop "
                 "--standalone and give a rendezvous (--rdzv-backend c10d --rdzv-endpoint "
                 "HOST:PORT) for a multi-node job"
             )
@@ -155,17 +200,27 @@ def config_from_args(
         )
     elif args.node_rank >= max_nodes:
         raise ValueError(
-            f"--node-rank={args.node_rank} is out of range for --nnodes={nnodes_text}: "
+            f"--node-rank={args.node_rank} is out of range for --nnodes={_nnodes_text(args)}: "
             f"node ranks are 0..{max_nodes - 1}"
         )
     if static and min_nodes != max_nodes:
         raise ValueError(
             f"the static rendezvous needs a fixed number of nodes, got --nnodes="
-            f"{nnodes_text}; give --nnodes N, or use --rdzv-backend c10d for MIN:MAX"
+            f"{_nnodes_text(args)}; give --nnodes N, or use --rdzv-backend c10d for MIN:MAX"
         )
+    return static
 
-    rdzv_configs: dict[str, Any] = dict(args.rdzv_conf)
-    if args.standalone or (static and max_nodes == 1 and not endpoint and args.master_port is None):
+
+def _rendezvous(args: argparse.Namespace, static: bool, warnings: list[str]) -> _Rendezvous:
+    """The rendezvous by torchrun's rules, its options checked for the backend that reads them.
+
+    Raises:
+        ValueError, TypeError: no endpoint where one is needed, or a bad ``--rdzv-conf``.
+    """
+    backend, endpoint, run_id = args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id
+    configs: dict[str, Any] = dict(args.rdzv_conf)
+    single = args.nnodes[1] == 1
+    if args.standalone or (static and single and not endpoint and args.master_port is None):
         # torchrun makes both --standalone and a bare single-node static run a private
         # c10d rendezvous on a free port with a fresh id: LaunchConfig's standalone launch
         # (no endpoint), which with one node skips the rendezvous store and torch, and
@@ -174,7 +229,7 @@ def config_from_args(
     elif static:
         # Where the store is, as torchrun's get_rdzv_endpoint: the endpoint, else
         # --master-addr:--master-port. What the endpoint then means is static_store's rule.
-        rdzv_configs["rank"] = args.node_rank
+        configs["rank"] = args.node_rank
         if not endpoint:
             port = _TORCHRUN_MASTER_PORT if args.master_port is None else args.master_port
             endpoint = f"{args.master_addr}:{port}"
@@ -196,21 +251,34 @@ def config_from_args(
             f"--rdzv-conf timeout={args.rdzv_conf['timeout']} is ignored by the {backend} "
             "rendezvous backend (as in torchrun); its wait for nodes is join_timeout"
         )
+    return _Rendezvous(backend, endpoint, run_id, configs, static)
 
-    redirects, tee = args.redirects, args.tee
-    for name, value in (("--redirects", redirects), ("--tee", tee)):
-        try:
-            to_map(value, nproc)
-        except ValueError as e:
-            raise ValueError(f"argument {_names(name[2:])}: {e}") from None
-    command = _command(args, environ)
-    if args.preload:
-        python = environ.get("PYTHON_EXEC")
-        if python is not None and python != sys.executable:
-            warnings.append(
-                f"--preload forks workers from this launcher's interpreter "
-                f"({sys.executable}); PYTHON_EXEC={python!r} is not used"
-            )
+
+def _group_options(args: argparse.Namespace, nproc: int) -> GroupOptions:
+    """The group's options from their flags, checked for ``nproc`` local ranks.
+
+    Each option's flag is its torch name (`GroupOptions`' table); a flag left unset
+    leaves the option at its default (the shutdown timeout then comes from the
+    environment, in `LaunchConfig`). Tee'd streams are written to files too, as torchrun
+    does.
+    """
+    given = {}
+    for name in option_names(torch=True):
+        value = getattr(args, _FLAG_OF_FIELD.get(name, name))
+        if value is not None:
+            given[name] = value
+    try:
+        options = GroupOptions.of(given, torch=True)
+        options.for_ranks(nproc)
+    except (ValueError, TypeError) as e:
+        raise type(e)(_in_flag_words(str(e), {})) from None
+    return dataclasses.replace(options, redirects=_union(options.redirects, options.tee, nproc))
+
+
+def _launch_config(
+    args: argparse.Namespace, nproc: int, rdzv: _Rendezvous, options: GroupOptions
+) -> LaunchConfig:
+    """The `LaunchConfig`; its errors told in the command line's words."""
     backoff = (
         RestartBackoff(
             initial=args.restart_backoff,
@@ -220,53 +288,36 @@ def config_from_args(
         else None
     )
     try:
-        config = LaunchConfig(
-            min_nodes=min_nodes,
-            max_nodes=max_nodes,
+        return LaunchConfig(
+            min_nodes=args.nnodes[0],
+            max_nodes=args.nnodes[1],
             nproc_per_node=nproc,
-            run_id=run_id,
+            run_id=rdzv.run_id,
             role=args.role,
-            rdzv_endpoint=endpoint,
-            rdzv_backend=backend,
-            rdzv_configs=rdzv_configs,
+            rdzv_endpoint=rdzv.endpoint,
+            rdzv_backend=rdzv.backend,
+            rdzv_configs=rdzv.configs,
             max_restarts=args.max_restarts,
             monitor_interval=args.monitor_interval,
             # --preload: every worker is forked from the warm server and runs the script.
             start_method="forkserver" if args.preload else args.start_method,
-            log_line_prefix_template=args.log_line_prefix_template,
             local_addr=args.local_addr,
             signals_to_handle=args.signals_to_handle,
             virtual_local_rank=args.virtual_local_rank,
-            # None: LaunchConfig reads $TORCH_ELASTIC_SHUTDOWN_TIMEOUT (there only).
-            shutdown_timeout=args.shutdown_timeout,
-            redirects=_union(redirects, tee, nproc),
-            tee=tee,
-            local_ranks_filter=args.local_ranks_filter,
-            ranks_filter=args.ranks_filter,
-            collapse_identical_lines=args.collapse_identical_lines,
-            forkserver_preload=args.preload,
             restart_backoff=backoff,
             no_retry_exit_codes=args.no_retry_exit_codes,
-            stall_timeout=args.stall_timeout,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
-            stop_leader_first=args.stop_leader_first,
+            # No shutdown timeout given: LaunchConfig reads $TORCH_ELASTIC_SHUTDOWN_TIMEOUT
+            # (there only).
+            options=options,
         )
     except (ValueError, TypeError) as e:
         # The endpoint made of --master-addr:--master-port is told as theirs.
-        composed = static and not args.rdzv_endpoint
+        composed = rdzv.static and not args.rdzv_endpoint
         raise type(e)(
             _in_flag_words(str(e), {"rdzv_endpoint": "master_port"} if composed else {})
         ) from None
-    return config, CommandLine(
-        entrypoint=command[0],
-        args=command[1],
-        run_path=args.run_path,
-        module=args.module and not args.run_path,
-        preload=args.preload,
-        log_dir=args.log_dir,
-        warnings=tuple(warnings),
-    )
 
 
 def _names(dest: str) -> str:
@@ -355,7 +406,9 @@ def _count_devices(kind: str) -> int:
     )
 
 
-def _union(a: Std | dict[int, Std], b: Std | dict[int, Std], nproc: int) -> Std | dict[int, Std]:
+def _union(
+    a: Std | Mapping[int, Std], b: Std | Mapping[int, Std], nproc: int
+) -> Std | dict[int, Std]:
     """Per-rank ``a | b``: torchrun writes tee'd streams to files too."""
     if isinstance(a, Std) and isinstance(b, Std):
         return a | b

@@ -26,7 +26,7 @@ from typing import Any
 
 from .._core.aio._backend import require_asyncio
 from .._core.aio._signals import DEFAULT_SIGNALS, SignalReceived, handle_signals
-from .._core.group._pcontext import start_processes
+from .._core.group._processes import start_processes
 from .._core.process import _values as values
 from .._core.process._exit_status import signal_text
 from .._core.reports._failures import ChildFailedError
@@ -113,7 +113,7 @@ async def launch(
     ``torch.distributed.init_process_group(backend)`` (``env://``) works as is.
 
     While it runs, SIGINT and SIGTERM to this process stop every worker (SIGTERM to each
-    worker's process group, ``grace_period``, then SIGKILL) and raise `MainProcessError`;
+    worker's process group, the grace period, then SIGKILL) and raise `MainProcessError`;
     another SIGINT/SIGTERM while they stop sends SIGKILL at once. The previous signal
     handlers are back when `launch` returns or raises. Off the main thread no handler can
     be installed (a RuntimeWarning says so) and signals stay the host's business; the
@@ -145,7 +145,7 @@ async def launch(
         MainProcessError: this process got SIGINT or SIGTERM; the workers were stopped.
         TypeError: ``func`` is not callable.
         ValueError: a bad ``nprocs``, ``master_addr``, ``master_port``, ``start_method``
-            or ``grace_period``.
+            or grace period.
     """
     require_asyncio("launch()")
     if not callable(func):
@@ -176,7 +176,7 @@ async def launch(
     )
 
     async def kill_now(sig: signal.Signals) -> None:
-        await ctx.close(death_sig=signal.SIGKILL, grace_period=0)
+        await ctx.close(signal.SIGKILL, 0)
 
     try:
         # The escalation wraps the whole context so that it covers every way out of it:

@@ -10,9 +10,9 @@ written for torch read the same; ``pid`` is an alias of ``error_pid``.
 Differences from torch, on purpose:
 
 * it returns the workers' return values by index (torch returns None);
-* ``grace_period`` is the time between SIGTERM and SIGKILL, honoured as given (torch
-  waits ``grace_period`` before SIGTERM and then again, or a hard-coded 30 s when it is
-  None); None means 30 s here too;
+* the grace period is the time between SIGTERM and SIGKILL, honoured as given (torch
+  waits that long before SIGTERM and then again, or a hard-coded 30 s when it is None);
+  None means 30 s here too;
 * stopping reaches each worker's whole process group (data loader workers, shells), and
   cancelling the awaiting task stops every worker;
 * fork and forkserver are real options (torch's ``spawn`` warns and uses spawn).
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._core.group._pcontext import run_processes
+from .._core.group._processes import run_processes
 from .._core.process import _values as values
 from .._core.process._exit_status import exit_description
 from .._core.reports._failures import ChildFailedError, ProcessFailure, failure_traceback
@@ -134,7 +134,7 @@ async def spawn(
         ProcessRaisedException: a worker raised; ``str(exc)`` holds its traceback.
         ProcessExitedException: a worker exited non-zero or was killed by a signal.
         TypeError: ``fn`` is not callable or ``args`` is not a tuple or list.
-        ValueError: ``nprocs`` < 1, or a bad ``start_method`` or ``grace_period``.
+        ValueError: ``nprocs`` < 1, or a bad start method or grace period.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable (called as fn(i, *args)), got {fn!r}")

@@ -41,8 +41,8 @@ def runnable(module: str) -> str:
 
 
 def aio_core() -> Any:
-    """``aioelastic._core.group._pcontext`` (start_processes, run_processes)."""
-    return aio("aioelastic._core.group._pcontext")
+    """``aioelastic._core.group._processes`` (start_processes, run_processes)."""
+    return aio("aioelastic._core.group._processes")
 
 
 def aio_std() -> Any:

@@ -77,7 +77,7 @@ def _args(n: int) -> dict[int, tuple[str, ...]]:
 
 
 async def _aioelastic(n: int, directory: Path) -> dict[str, float]:
-    from aioelastic._core.group._pcontext import run_processes, start_processes
+    from aioelastic._core.group._processes import run_processes, start_processes
 
     warm = await run_processes(
         name="warm", entrypoint="/bin/true", args={0: ()}, envs=_envs(1), log_dir=directory / "w"

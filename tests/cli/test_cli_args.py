@@ -184,7 +184,7 @@ def test_pet_environment_sets_defaults_and_the_command_line_wins() -> None:
 def test_stop_leader_first_reaches_the_agent_and_takes_only_a_bool() -> None:
     from aioelastic import LocalElasticAgent, WorkerSpec
 
-    assert config([], {"PET_STOP_LEADER_FIRST": "1"})._derived().agent.stop_leader_first
+    assert config([], {"PET_STOP_LEADER_FIRST": "1"})._derived().agent.options.stop_leader_first
     assert not config([], {"PET_STOP_LEADER_FIRST": "0"}).stop_leader_first
     spec = WorkerSpec(local_world_size=1, entrypoint="/bin/true")
     for bad in ("yes", 1, None):
@@ -201,7 +201,7 @@ def test_collapse_identical_lines_reaches_the_agent_from_the_flag_or_the_environ
         config([], {"PET_COLLAPSE_IDENTICAL_LINES": "0.25"}),
     ):
         assert c.collapse_identical_lines == 0.25
-        assert c._derived().agent.collapse_identical_lines == 0.25
+        assert c._derived().agent.options.collapse_identical_lines == 0.25
     # An empty variable is as good as none: every line is shown.
     assert config([], {"PET_COLLAPSE_IDENTICAL_LINES": ""}).collapse_identical_lines is None
 
@@ -651,7 +651,7 @@ def test_a_changed_config_is_checked_and_resolved_again() -> None:
     with pytest.raises(ValueError, match=r"^tee: local rank 5 in .* local ranks are 0\.\.1$"):
         c._derived()
     c.tee = Std.ALL
-    assert c._derived().agent.tee == {0: Std.ALL, 1: Std.ALL}
+    assert c._derived().agent.options.tee == {0: Std.ALL, 1: Std.ALL}
     c.rdzv_backend, c.rdzv_endpoint = "static", "h0:0"
     assert c._derived().store == ("h0", None)
     copy = pickle.loads(pickle.dumps(c))

@@ -46,7 +46,7 @@ class GroupIO:
         """Run the I/O tasks in ``tg``; make the collapsers ``spec`` asks for."""
         self._tg = tg
         self._release_hub = hold_reader_hub(asyncio.get_running_loop())
-        window = spec.collapse_identical_lines
+        window = spec.options.collapse_identical_lines
         if window is not None and spec.nprocs > 1:
             self.collapsers = {n: Collapser(console(n), window) for n in ("stdout", "stderr")}
 

@@ -17,25 +17,20 @@ import asyncio
 import contextvars
 import enum
 import logging
-import os
 import signal
-import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 
 from ..aio._backend import callback_context, require_asyncio
 from ..aio._lazy_event import wait_all
 from ..aio._to_the_end import to_the_end
 from ..hangs._guard import HangConfig, HangGuard, WorkerHooks
 from ..hangs._stall import StallTeller
-from ..output._std import Std
-from ..output._stream import DEFAULT_BUFFER, OutputHub, OutputItem, OutputStream
+from ..output._stream import OutputHub
 from ..process import _platform
 from ..reports._failures import ProcessFailure
 from ..reports._results import RunProcsResult
@@ -46,9 +41,10 @@ from ..worker._process import WorkerProcess
 from ..worker._teardown import stop_workers
 from . import _preparing as preparing, _settle as settle
 from ._group_io import GroupIO
+from ._group_views import GroupViews
 from ._start_methods import start_method
 from ._starting import GroupStarter, OutputTarget
-from ._validate import GroupSpec, validate
+from ._validate import GroupSpec
 
 logger = logging.getLogger("aioelastic")
 
@@ -70,11 +66,12 @@ class Phase(enum.IntEnum):
     CLOSED = 5
 
 
-class PContext:
+class PContext(GroupViews):
     """A running group of local workers (an async context manager).
 
     Made by :func:`start_processes`; the workers start when the ``async with`` block is
-    entered and are all stopped when it is left, however it is left.
+    entered and are all stopped when it is left, however it is left. Its output, stacks
+    and pids are read through its base, :class:`~._group_views.GroupViews`.
     """
 
     #: Holds the group's task group from ``__aenter__`` until the group is left.
@@ -112,20 +109,6 @@ class PContext:
         #: How many workers settled as succeeded.
         self._succeeded = 0
 
-    @property
-    def name(self) -> str:
-        """The group's name (used in log prefixes and failure reports)."""
-        return self._spec.name
-
-    @property
-    def nprocs(self) -> int:
-        """Number of local workers."""
-        return self._spec.nprocs
-
-    def pids(self) -> dict[int, int]:
-        """Pid of each started worker, by local rank."""
-        return {w.local_rank: w.pid for w in self._ranked()}
-
     def __repr__(self) -> str:
         started = len(self._workers)
         return (
@@ -133,51 +116,10 @@ class PContext:
             f"{self._phase.name.lower()} started={started}>"
         )
 
-    def output(
-        self, *, replay: bool = True, buffer: int = DEFAULT_BUFFER
-    ) -> OutputStream[OutputItem]:
-        """Subscribe to the workers' output: every line and progress frame, live.
-
-        ``async for item in ctx.output():`` yields an :class:`OutputItem` per line (or
-        ``\\r`` frame) of every rank and stream, in the order each rank wrote them, whether
-        or not the streams are redirected or tee'd, and ends once every worker's streams
-        ended (the workers and their children exited, or the group was closed).
-        Subscribe before or after ``async with`` is entered; any number of subscribers
-        may read side by side.
-
-        Args:
-            replay: Start with what the workers wrote before this call (as much as the
-                bounded history holds; ``missed`` on the first item counts what it no
-                longer holds). ``False``: only what is written from now on.
-            buffer: Items this subscriber may fall behind by; when more arrive, the oldest
-                are dropped and the next item's ``missed`` says how many (the log files
-                still hold everything). Reading slowly never slows the workers.
-
-        Raises:
-            ValueError: ``buffer`` is not a positive number of items.
-        """
-        return self._output.hub.subscribe(replay=replay, buffer=buffer)
-
-    def share_output(self, hub: OutputHub, ranks: Mapping[int, int], attempt: int) -> None:
-        """Publish into ``hub`` (an agent's, spanning attempts) instead of a hub of our own.
-
-        Items then carry the global rank (``ranks``, by local rank) and ``attempt``. Call
-        before the group is entered.
-        """
-        self._output = OutputTarget(hub, ranks, attempt, owned=False)
-
-    def tell_stalls_with(self, teller: StallTeller) -> None:
-        """Have ``teller`` make the text printed when the group stalls (``stall_timeout``).
-
-        An elastic agent tells the stacks of every rank of the job this way, not only of
-        this group's. ``teller`` is awaited with the group's :class:`StallReport` before
-        the group is stopped, for at most ``STALL_TELL_TIMEOUT`` seconds; past that, or if
-        it raises, the group's own report is printed. Call before the group is entered.
-        """
-        self._stall_teller = teller
-
-    def _ranked(self) -> list[WorkerProcess]:
-        return sorted(self._workers, key=lambda w: w.local_rank)
+    @property
+    def _grace(self) -> float:
+        """Seconds from the stop signal to SIGKILL, unless a ``close()`` says otherwise."""
+        return self._spec.options.grace_period
 
     def _failed(self) -> bool:
         return self._any_failure
@@ -328,29 +270,9 @@ class PContext:
         if self._failed() and self._phase is Phase.RUNNING:
             self._phase = Phase.STOPPING
             assert self._tg is not None
-            self._tg.start_soon(self._teardown, signal.SIGTERM, self._spec.grace_period)
+            self._tg.start_soon(self._teardown, signal.SIGTERM, self._grace)
 
-    # -- hangs ------------------------------------------------------------------------
-
-    async def dump_stacks(self, timeout: float | None = None) -> dict[int, str]:
-        """Every thread's Python stack of each running worker, without stopping them.
-
-        Returns ``{local_rank: text}``; a worker that does not answer within ``timeout``
-        seconds (5 by default) maps to a line saying so. See docs/hangs.md.
-        """
-        running = {w.local_rank: w.pid for w in self._ranked() if w.returncode is None}
-        return await self._hangs.dump_stacks(running, timeout)
-
-    def last_output_times(self) -> dict[int, float]:
-        """When each running worker last wrote output (``time.time()``), for metrics."""
-        offset = time.time() - time.monotonic()
-        found = {}
-        for worker in self._ranked():
-            times = [p.last_output for p in (worker.stdout, worker.stderr)]
-            latest = max((t for t in times if t is not None), default=None)
-            if worker.returncode is None and latest is not None:
-                found[worker.local_rank] = latest + offset
-        return found
+    # -- hangs (dump_stacks: see GroupViews) -------------------------------------------
 
     async def _run_hangs(self) -> None:
         assert self._tg is not None
@@ -358,7 +280,7 @@ class PContext:
         hooks = WorkerHooks(
             {w.local_rank: w for w in self._workers},  # every worker has started by now
             self._hang_texts,
-            lambda: tg.start_soon(self._stop, signal.SIGTERM, self._spec.grace_period),
+            lambda: tg.start_soon(self._stop, signal.SIGTERM, self._grace),
             self._stall_teller,
         )
         self._hang_scope = anyio.CancelScope()
@@ -419,16 +341,17 @@ class PContext:
         """Stop every worker and everything in their process groups; idempotent.
 
         Sends ``death_sig`` to each worker's process group, waits (event-driven) up to
-        ``grace_period`` seconds (the context's default when ``None``), SIGKILLs every
-        group that still has a member, and reaps. With ``stop_leader_first`` (see
-        :func:`start_processes`) ``death_sig`` goes to each worker alone, and to the rest
-        of its group once the worker exited. A second ``close()`` while one is in
-        progress (a second Ctrl-C, say) escalates: the rest of the grace period is
-        skipped and every group is SIGKILLed at once, whatever its arguments.
+        the grace period given, in seconds (the group's, from its options, when
+        ``None``), SIGKILLs every group that still has a member, and reaps. When the
+        group's options stop each worker before its helpers, ``death_sig`` goes to each
+        worker alone, and to the rest of its group once the worker exited. A second
+        ``close()`` while one is in progress (a second Ctrl-C, say) escalates: the rest
+        of the grace period is skipped and every group is SIGKILLed at once, whatever its
+        arguments.
         """
         if self._phase is Phase.NEW:
             return
-        grace = self._spec.grace_period if grace_period is None else grace_period
+        grace = self._grace if grace_period is None else grace_period
         if self._close_calls:
             self._escalate.set()
         self._close_calls += 1
@@ -444,17 +367,17 @@ class PContext:
         with anyio.CancelScope(shield=True):
             await to_the_end(stop_and_finish)
 
-    async def _stop(self, death_sig: int, grace_period: float) -> None:
+    async def _stop(self, death_sig: int, grace: float) -> None:
         """Tear the group down, or wait for the teardown under way (hurried, if asked)."""
         if self._phase >= Phase.STOPPING:
-            if death_sig == signal.SIGKILL or grace_period <= 0:
+            if death_sig == signal.SIGKILL or grace <= 0:
                 self._escalate.set()
             await self._stopped.wait()
             return
         self._phase = Phase.STOPPING
-        await self._teardown(death_sig, grace_period)
+        await self._teardown(death_sig, grace)
 
-    async def _teardown(self, death_sig: int, grace_period: float) -> None:
+    async def _teardown(self, death_sig: int, grace: float) -> None:
         """The one teardown of the group's workers; then the group is STOPPED."""
         if self._hang_scope is not None:
             self._hang_scope.cancel()
@@ -463,9 +386,9 @@ class PContext:
                 await stop_workers(
                     list(self._workers),
                     death_sig,
-                    grace_period,
+                    grace,
                     self._escalate,
-                    leader_first=self._spec.stop_leader_first,
+                    leader_first=self._spec.options.stop_leader_first,
                 )
                 # Outcomes settle within REPORT_TIMEOUT of the exit: wait() after this
                 # point sees every failure, not a half-reported group.
@@ -511,118 +434,3 @@ class PContext:
         # Outside any shield: a task group must be exited from the scope it was entered
         # in. Its tasks are all finished or shielded-and-ending by now, so this is quick.
         await self._group.aclose()
-
-
-def start_processes(
-    name: str,
-    entrypoint: Callable[..., Any] | str,
-    args: Mapping[int, tuple[Any, ...]],
-    envs: Mapping[int, Mapping[str, str | int]],
-    log_dir: str | os.PathLike[str] | None = None,
-    start_method: str = "spawn",
-    redirects: Std | Mapping[int, Std] = Std.NONE,
-    tee: Std | Mapping[int, Std] = Std.NONE,
-    *,
-    grace_period: float = 30.0,
-    forkserver_preload: Collection[str] = (),
-    local_ranks_filter: Collection[int] | None = None,
-    log_line_prefix: str | None = None,
-    stall_timeout: float | None = None,
-    stop_leader_first: bool = False,
-    collapse_identical_lines: float | None = None,
-) -> PContext:
-    """Validate the arguments and return a :class:`PContext` (workers start on entry).
-
-    Args:
-        name: The group's name, used in log prefixes (``[{name}{local_rank}]:``).
-        entrypoint: A callable (function workers, called as ``entrypoint(*args[rank])``)
-            or a str (a binary, run as ``[entrypoint, *map(str, args[rank])]``).
-        args: Arguments per local rank; keys exactly ``0..n-1``.
-        envs: Extra environment per local rank; same keys as ``args``.
-        log_dir: Where ``{local_rank}/stdout.log|stderr.log|error.json`` go; a fresh
-            temporary directory when ``None``. Must not hold earlier output.
-        start_method: ``spawn``, ``fork`` or ``forkserver`` (function workers only).
-        redirects: Streams written to log files, as a :class:`Std` or per rank.
-        tee: Streams also printed to the console with a rank prefix.
-        grace_period: Default seconds between the death signal and SIGKILL.
-        forkserver_preload: Modules the fork server imports once for all workers.
-        local_ranks_filter: Ranks whose console output is shown (all when ``None``).
-        log_line_prefix: Template with ``${role_name} ${rank} ${local_rank} ${hostname}``.
-        stall_timeout: Seconds without output or timer request from any worker after
-            which the group is reported stalled, with every stack, and stopped (off when
-            ``None``). ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` in the environment serves
-            torch's file timer. See docs/hangs.md.
-        stop_leader_first: Stop each worker before its helpers: the stop signal goes to
-            the worker alone, so that the children it needs to shut down cleanly (the
-            data-loader processes a trainer reads from while it saves a checkpoint on
-            SIGTERM) keep running; once the worker exited, the rest of its process group
-            gets the same signal, and whatever is left when the grace period ends is
-            SIGKILLed. ``False`` (the default, as torchrun): the whole group gets it at
-            once. See docs/reliability.md.
-        collapse_identical_lines: A window in seconds (e.g. ``0.25``): a console line
-            that several ranks write identically within it is printed once, as
-            ``[ranks 0-7]: text``; each rank's lines keep their order, and the log files
-            and ``output()`` still get every copy. Off when ``None``. See docs/logs.md.
-
-    Raises:
-        ValueError, TypeError: On any invalid argument, before anything starts.
-    """
-    spec = validate(
-        name=name,
-        entrypoint=entrypoint,
-        args=args,
-        envs=envs,
-        log_dir=log_dir,
-        start_method=start_method,
-        redirects=redirects,
-        tee=tee,
-        grace_period=grace_period,
-        forkserver_preload=forkserver_preload,
-        local_ranks_filter=local_ranks_filter,
-        log_line_prefix=log_line_prefix,
-        stop_leader_first=stop_leader_first,
-        collapse_identical_lines=collapse_identical_lines,
-    )
-    return PContext(spec, HangConfig.from_env(os.environ, stall_timeout=stall_timeout))
-
-
-async def run_processes(
-    name: str,
-    entrypoint: Callable[..., Any] | str,
-    args: Mapping[int, tuple[Any, ...]],
-    envs: Mapping[int, Mapping[str, str | int]],
-    log_dir: str | os.PathLike[str] | None = None,
-    start_method: str = "spawn",
-    redirects: Std | Mapping[int, Std] = Std.NONE,
-    tee: Std | Mapping[int, Std] = Std.NONE,
-    *,
-    grace_period: float = 30.0,
-    forkserver_preload: Collection[str] = (),
-    local_ranks_filter: Collection[int] | None = None,
-    log_line_prefix: str | None = None,
-    stall_timeout: float | None = None,
-    stop_leader_first: bool = False,
-    collapse_identical_lines: float | None = None,
-) -> RunProcsResult:
-    """Start the workers, wait for the outcome, stop them: :func:`start_processes` in one call."""
-    ctx = start_processes(
-        name,
-        entrypoint,
-        args,
-        envs,
-        log_dir,
-        start_method,
-        redirects,
-        tee,
-        grace_period=grace_period,
-        forkserver_preload=forkserver_preload,
-        local_ranks_filter=local_ranks_filter,
-        log_line_prefix=log_line_prefix,
-        stall_timeout=stall_timeout,
-        stop_leader_first=stop_leader_first,
-        collapse_identical_lines=collapse_identical_lines,
-    )
-    async with ctx:
-        result = await ctx.wait()
-    assert result is not None
-    return result

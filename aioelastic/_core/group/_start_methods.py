@@ -286,7 +286,7 @@ class ForkServerMethod(_FunctionMethod):
         self, starter: GroupStarter, prepared: Prepared, opening: Opening
     ) -> _launchers.Launched:
         assert isinstance(prepared.payload, bytes)
-        server = _fork_server(self._spec.forkserver_preload)
+        server = _fork_server(tuple(self._spec.options.forkserver_preload))
         return await server.start_worker(
             opening.out_w, opening.err_w, opening.res_w, prepared.payload, opening.stdin
         )
@@ -294,4 +294,4 @@ class ForkServerMethod(_FunctionMethod):
     def after_group(self) -> None:
         # Workers for the next start of this group (a restart) are forked while the
         # server is idle, so that start takes no fork.
-        _fork_server(self._spec.forkserver_preload).keep_spares(self._spec.nprocs)
+        _fork_server(tuple(self._spec.options.forkserver_preload)).keep_spares(self._spec.nprocs)

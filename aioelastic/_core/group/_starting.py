@@ -284,7 +284,7 @@ class GroupStarter:
 
     def _pump_settings(self, rank: int, stream: Std) -> dict[str, Any]:
         spec = self.spec
-        shown = spec.local_ranks_filter is None or rank in spec.local_ranks_filter
+        shown = spec.options.shows(rank, self._output.ranks)
         teed = stream in spec.tee[rank]
         redirected = stream in self.files.logged[rank]
         name: StreamName = "stdout" if stream is Std.OUT else "stderr"
@@ -364,7 +364,7 @@ def _shown_rank(spec: GroupSpec, rank: int) -> int:
     The global rank (``RANK``) when the prefix template uses ``${rank}``; otherwise the
     local rank, as the default prefix ``[{name}{local_rank}]:`` shows it.
     """
-    template = spec.log_line_prefix
+    template = spec.options.log_line_prefix
     if template is not None and "rank" in _template_fields(template):
         text = spec.envs[rank].get("RANK", "")
         if text.isdigit():
@@ -382,10 +382,10 @@ def _template_fields(template: str) -> set[str]:
 
 
 def _prefix(spec: GroupSpec, rank: int) -> bytes:
-    if spec.log_line_prefix is None:
+    if spec.options.log_line_prefix is None:
         return f"[{spec.name}{rank}]:".encode()
     env = spec.envs[rank]
-    text = string.Template(spec.log_line_prefix).substitute(
+    text = string.Template(spec.options.log_line_prefix).substitute(
         role_name=env.get("ROLE_NAME", spec.name),
         rank=env.get("RANK", str(rank)),
         local_rank=str(rank),

@@ -19,8 +19,9 @@ from ..child._bootstrap import check_not_importing_main
 from ..output._std import Std, to_map
 from ..process import _values as values
 from ..process._values import PREFIX_FIELDS, START_METHODS
+from ._options import GroupOptions
 
-__all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "GroupSpec", "validate"]
+__all__ = ["LOG_FILES", "PREFIX_FIELDS", "START_METHODS", "GroupSpec", "check_preload", "validate"]
 LOG_FILES = ("stdout.log", "stderr.log", "error.json")
 
 
@@ -35,16 +36,11 @@ class GroupSpec:
     envs: dict[int, dict[str, str]]
     log_dir: Path | None
     start_method: str
+    #: The group's options, checked against its local ranks.
+    options: GroupOptions
+    #: ``options.redirects`` and ``options.tee``, one `Std` per local rank.
     redirects: dict[int, Std]
     tee: dict[int, Std]
-    grace_period: float
-    forkserver_preload: tuple[str, ...]
-    local_ranks_filter: frozenset[int] | None
-    log_line_prefix: str | None
-    #: Stop each worker (its process group's leader) before the rest of its group.
-    stop_leader_first: bool = False
-    #: The window identical console lines of several ranks are printed once in; None: off.
-    collapse_identical_lines: float | None = None
 
     @property
     def nprocs(self) -> int:
@@ -65,16 +61,14 @@ def validate(
     envs: Mapping[int, Mapping[str, Any]],
     log_dir: str | os.PathLike[str] | None,
     start_method: str,
-    redirects: Std | Mapping[int, Std],
-    tee: Std | Mapping[int, Std],
-    grace_period: float,
-    forkserver_preload: Collection[str],
-    local_ranks_filter: Collection[int] | None,
-    log_line_prefix: str | None,
-    stop_leader_first: bool = False,
-    collapse_identical_lines: float | None = None,
+    options: GroupOptions | None,
+    keywords: Mapping[str, Any],
 ) -> GroupSpec:
-    """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse."""
+    """Check every argument of ``start_processes``; raise ValueError/TypeError on misuse.
+
+    ``keywords`` are the group's options given as keyword arguments, merged into
+    ``options`` (see `GroupOptions.of`).
+    """
     check_not_importing_main("start_processes()")
     values.field("name", values.name, name)
     nprocs = _check_ranks(args, envs)
@@ -91,7 +85,10 @@ def validate(
             f"entrypoint must be a callable (function workers) or a str (a binary to run), "
             f"got {type(entrypoint).__name__}: {entrypoint!r}"
         )
-    grace_period = values.field("grace_period", values.duration, grace_period)
+    options = GroupOptions.of(
+        keywords, options=options, caller="start_processes", nprocs=nprocs
+    ).for_ranks(nprocs)
+    check_preload(options.forkserver_preload)
     return GroupSpec(
         name=name,
         entrypoint=resolved,
@@ -99,18 +96,9 @@ def validate(
         envs=clean_envs,
         log_dir=_check_log_dir(log_dir, nprocs),
         start_method=start_method,
-        redirects=to_map(redirects, nprocs),
-        tee=to_map(tee, nprocs),
-        grace_period=float(grace_period),
-        forkserver_preload=check_preload(forkserver_preload),
-        local_ranks_filter=values.field(
-            "local_ranks_filter", lambda v: values.rank_filter(v, nprocs), local_ranks_filter
-        ),
-        log_line_prefix=values.field("log_line_prefix", values.prefix_template, log_line_prefix),
-        stop_leader_first=values.field("stop_leader_first", values.boolean, stop_leader_first),
-        collapse_identical_lines=values.field(
-            "collapse_identical_lines", values.collapse_window, collapse_identical_lines
-        ),
+        options=options,
+        redirects=to_map(options.redirects, nprocs),
+        tee=to_map(options.tee, nprocs),
     )
 
 
@@ -211,16 +199,9 @@ def _check_log_dir(log_dir: str | os.PathLike[str] | None, nprocs: int) -> Path 
     return path
 
 
-def check_preload(preload: Collection[str]) -> tuple[str, ...]:
-    """``forkserver_preload`` checked: module names, each installed (else ValueError)."""
-    if isinstance(preload, str):
-        raise TypeError(
-            f"forkserver_preload must be a sequence of module names, got the str {preload!r}; "
-            f"write ({preload!r},)"
-        )
-    modules = values.field("forkserver_preload", values.module_names, tuple(preload))
-    for module in modules:
+def check_preload(preload: Collection[str]) -> None:
+    """Raise ValueError unless each module of ``forkserver_preload`` is installed."""
+    for module in preload:
         top = module.partition(".")[0]
         if importlib.util.find_spec(top) is None:
             raise ValueError(f"forkserver_preload module {module!r} is not installed")
-    return modules

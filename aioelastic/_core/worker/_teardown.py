@@ -51,7 +51,7 @@ _BATCH = 32
 async def stop_workers(
     workers: Iterable[WorkerProcess],
     death_sig: int,
-    grace_period: float,
+    grace: float,
     escalate: anyio.Event,
     *,
     leader_first: bool = False,
@@ -61,18 +61,18 @@ async def stop_workers(
     Args:
         workers: The workers (running or exited, not yet reaped).
         death_sig: The first signal (SIGTERM by default).
-        grace_period: Seconds to wait for the groups to empty before SIGKILL.
+        grace: Seconds to wait for the groups to empty before SIGKILL.
         escalate: Set by a second stop request: skip the rest of the grace period.
         leader_first: Send ``death_sig`` to each worker alone, and to the rest of its
             group once it exited (see the module documentation). Without a grace period
-            to give (SIGKILL, ``grace_period`` 0, ``escalate`` set) every group is
+            to give (SIGKILL, ``grace`` 0, ``escalate`` set) every group is
             signalled at once, as without it.
     """
     pending = [w for w in workers if not w.reaped]
     if not pending:
         return
     pgids = {w.pid for w in pending}
-    graceful = death_sig != signal.SIGKILL and grace_period > 0 and not escalate.is_set()
+    graceful = death_sig != signal.SIGKILL and grace > 0 and not escalate.is_set()
     leader_first = leader_first and graceful
     # The usual end of a run: every worker exited by itself. If nothing else is left in
     # their groups either, there is nobody to signal and no grace period to wait out.
@@ -89,7 +89,7 @@ async def stop_workers(
                 await anyio.lowlevel.cancel_shielded_checkpoint()
 
     if not emptied and graceful:
-        with anyio.move_on_after(grace_period):
+        with anyio.move_on_after(grace):
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_cancel_on, escalate, tg.cancel_scope)
                 if leader_first:

@@ -38,14 +38,16 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import anyio
 
 from ..._core.aio._backend import require_asyncio
 from ..._core.aio._signals import SignalReceived, handle_signals
+from ..._core.group._options import GroupOptions, keyword_signature
 from ..._core.group._pcontext import PContext
 from ..._core.hangs._guard import stack_requests
 from ..._core.output._std import Std
@@ -93,19 +95,6 @@ class LocalElasticAgent:
         exit_barrier_timeout: after its workers succeeded, how long the agent waits for
             the other nodes to finish theirs (torch's barrier; torch hard-codes 300 s
             for torchrun).
-        log_line_prefix_template: the console prefix as a template with ``${role_name}``,
-            ``${rank}``, ``${local_rank}``, ``${hostname}``.
-        local_ranks_filter: local ranks whose console output is shown (all when None).
-        ranks_filter: global ranks whose console output is shown (all when None), across
-            nodes: ``"0,8-15"`` or a collection; a filtered rank's failure is still
-            reported in full.
-        collapse_identical_lines: a window in seconds (e.g. ``0.25``): a console line
-            that several local ranks write identically within it is printed once, as
-            ``[ranks 0-7]: text`` (the rank numbers the prefix shows); log files and
-            ``output()`` still get every copy. Off when None. Each node collapses its own
-            ranks.
-        forkserver_preload: modules the fork server imports once; restarts reuse the warm
-            server, so a restart costs a fork instead of a fresh interpreter.
         signals_to_handle: signals that stop the run, as torch names them
             (``"SIGTERM,SIGINT,SIGHUP,SIGQUIT"``); ``""`` handles none (a host program
             that handles signals itself; cancel ``run()`` instead). ``None``: torch's
@@ -118,19 +107,22 @@ class LocalElasticAgent:
         run_id: the job id of the single-node rendezvous the agent makes itself when the
             spec has no ``rdzv_handler`` (default: a fresh UUID; ``"none"`` with
             ``master_port``, torchrun's default).
-        stall_timeout: seconds without output or timer request from any local worker
-            after which the attempt is stopped as stalled, every rank's stack in its
-            failure; a failure like any other, so it restarts per ``max_restarts``. Off
-            when ``None``. ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` serves torch's file timer;
-            ``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer (docs/hangs.md).
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
-        stop_leader_first: whenever the agent stops its workers (a failure, a signal, a
-            restart), the stop signal goes to each worker alone and to the rest of its
-            process group once the worker exited, so that a trainer that checkpoints on
-            SIGTERM keeps its data-loader processes while it saves (`start_processes`);
-            False (the default, as torchrun): the whole group at once.
+        options: the options of each attempt's group of workers, a `GroupOptions`:
+            whenever the agent stops its workers (a failure, a signal, a restart) it is
+            with their grace period and stop order; a stall is a failure like any other,
+            restarted per ``max_restarts``, every rank's stack in its failure
+            (``TORCHELASTIC_HEALTH_CHECK_PORT`` serves a liveness answer, docs/hangs.md);
+            the console filters take global ranks across nodes; each node collapses its
+            own ranks' lines; restarts reuse the warm fork server.
+        **group_options: any field of `GroupOptions` by torch's name for it
+            (``log_line_prefix_template``, the console filters, ``forkserver_preload``,
+            ``stall_timeout``...), as before the record existed; ``redirects``, ``tee``
+            and ``shutdown_timeout`` (its grace period) above are fields of it too. A
+            value at its default leaves the field of ``options``; a field set differently
+            in both places is a TypeError.
 
     Without a ``rdzv_handler`` the agent runs one node: torchrun's ``--standalone`` (torch's
     ``c10d`` on ``localhost:0``, the agent hosting the workers' store), or ``static`` at
@@ -152,19 +144,14 @@ class LocalElasticAgent:
         shutdown_timeout: float = 30.0,
         *,
         exit_barrier_timeout: float = 300.0,
-        log_line_prefix_template: str | None = None,
-        local_ranks_filter: Collection[int] | None = None,
-        forkserver_preload: Collection[str] = (),
         signals_to_handle: str | None = None,
         run_id: str | None = None,
-        ranks_filter: Collection[int] | str | None = None,
-        stall_timeout: float | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
-        stop_leader_first: bool = False,
-        collapse_identical_lines: float | None = None,
+        options: GroupOptions | None = None,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
+        **group_options: Any,
     ) -> None:
         if not isinstance(spec, WorkerSpec):
             raise TypeError(f"spec must be an aioelastic WorkerSpec, got {type(spec).__name__}")
@@ -173,21 +160,16 @@ class LocalElasticAgent:
             nprocs=spec.local_world_size,
             start_method=start_method,
             log_dir=log_dir,
+            exit_barrier_timeout=exit_barrier_timeout,
+            signals_to_handle=signals_to_handle,
+            run_id=run_id,
+            metrics_port=metrics_port,
+            metrics_host=metrics_host,
+            options=options,
             redirects=redirects,
             tee=tee,
             shutdown_timeout=shutdown_timeout,
-            exit_barrier_timeout=exit_barrier_timeout,
-            log_line_prefix_template=log_line_prefix_template,
-            local_ranks_filter=local_ranks_filter,
-            ranks_filter=ranks_filter,
-            forkserver_preload=forkserver_preload,
-            signals_to_handle=signals_to_handle,
-            run_id=run_id,
-            stall_timeout=stall_timeout,
-            metrics_port=metrics_port,
-            metrics_host=metrics_host,
-            stop_leader_first=stop_leader_first,
-            collapse_identical_lines=collapse_identical_lines,
+            **group_options,
         )
         self._spec = spec
         self._group = WorkerGroup(spec)
@@ -201,6 +183,13 @@ class LocalElasticAgent:
             self._group, self._config, self._budget, self._emitter, self._output, self._reports
         )
         self._started = False
+
+    # help() shows the options' keyword arguments, which come from GroupOptions' table.
+    setattr(  # noqa: B010  (a function's __signature__ is not known to type checkers)
+        __init__,
+        "__signature__",
+        keyword_signature(__init__, torch=True, skip=("redirects", "tee", "shutdown_timeout")),
+    )
 
     # -- public surface ----------------------------------------------------------------
 

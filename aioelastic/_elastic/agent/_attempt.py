@@ -23,7 +23,8 @@ from signal import Signals
 import anyio
 
 from ..._core.aio._signals import SignalScope
-from ..._core.group._pcontext import PContext, start_processes
+from ..._core.group._pcontext import PContext
+from ..._core.group._processes import start_processes
 from ..._core.hangs._stall import StallTeller
 from ..._core.output._stream import OutputHub
 from ..._core.reports._failures import ProcessFailure
@@ -201,26 +202,9 @@ class Attempt:
             envs=envs,
             log_dir=self._log_root / f"attempt_{self._attempt}",
             start_method=self._config.start_method,
-            redirects=self._config.redirects,
-            tee=self._config.tee,
-            grace_period=self._config.shutdown_timeout,
-            forkserver_preload=self._config.forkserver_preload,
-            local_ranks_filter=self._shown_ranks(),
-            log_line_prefix=self._config.log_line_prefix_template,
-            stall_timeout=self._config.stall_timeout,
-            stop_leader_first=self._config.stop_leader_first,
-            collapse_identical_lines=self._config.collapse_identical_lines,
+            options=self._config.options,
         )
         return ctx
-
-    def _shown_ranks(self) -> frozenset[int] | None:
-        """This attempt's local ranks shown on the console (both filters), None for all."""
-        shown = self._config.local_ranks_filter
-        wanted = self._config.ranks_filter
-        if wanted is not None:
-            by_global = {w.local_rank for w in self._group.workers if w.global_rank in wanted}
-            shown = frozenset(by_global if shown is None else by_global & shown)
-        return shown
 
     def _started(self, ctx: PContext) -> None:
         group = self._group

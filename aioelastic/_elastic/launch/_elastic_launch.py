@@ -28,6 +28,7 @@ import anyio
 from ..._core.aio._backend import require_asyncio
 from ..._core.aio._signals import SignalReceived
 from ..._core.child import _stack_hook as stack_hook
+from ..._core.group._options import GroupOptions, option_names
 from ..._core.output._std import Std
 from ..._core.process import _values as values
 from ..._core.reports._failures import ChildFailedError
@@ -47,6 +48,10 @@ __all__ = ["LaunchConfig", "elastic_launch", "launch_agent", "static_store"]
 
 _DEFAULT_RDZV_TIMEOUT = 900
 
+#: The LaunchConfig fields that are the group's options (GroupOptions' fields, by the names
+#: torch's APIs give them).
+_GROUP_FIELDS = option_names(torch=True)
+
 # The LaunchConfig fields the agent's settings and the store address are derived from
 # (log_dir is not: it is only wrapped in a Path, and the launcher sets it per run).
 _DERIVED_FROM = (
@@ -55,20 +60,12 @@ _DERIVED_FROM = (
     "rdzv_backend",
     "rdzv_endpoint",
     "start_method",
-    "redirects",
-    "tee",
-    "shutdown_timeout",
     "exit_barrier_timeout",
-    "log_line_prefix_template",
-    "local_ranks_filter",
-    "ranks_filter",
-    "forkserver_preload",
     "signals_to_handle",
-    "stall_timeout",
     "metrics_port",
     "metrics_host",
-    "stop_leader_first",
-    "collapse_identical_lines",
+    "options",
+    *_GROUP_FIELDS,
 )
 
 
@@ -129,7 +126,7 @@ class LaunchConfig:
     defaults to ``"c10d"`` (torch's ``"etcd"`` needs an etcd server), and with no
     ``rdzv_endpoint`` and one node the launch is torchrun's ``--standalone`` (``c10d`` on
     ``localhost:0``, a fresh run id). Logs are configured by ``log_dir``, ``redirects``,
-    ``tee`` and ``local_ranks_filter`` instead of a torch ``LogsSpecs`` object. Fields
+    ``tee`` and the console filters instead of a torch ``LogsSpecs`` object. Fields
     aioelastic does not implement (``logs_specs``, ``metrics_cfg``, ``event_log_handler``,
     ``numa_options``, ``duplicate_*_filters``) are accepted only at their defaults, so a
     config that relies on them fails loudly instead of being half-applied.
@@ -164,23 +161,19 @@ class LaunchConfig:
         shutdown_timeout: grace period before SIGKILL, seconds (default:
             ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` or 30).
         log_dir: log root; attempt ``n`` goes to ``{log_dir}/attempt_{n}/{local_rank}/``.
-        redirects: streams written to log files (`Std` or per local rank).
-        tee: streams also shown on the console.
-        local_ranks_filter: local ranks whose console output is shown.
-        ranks_filter: global ranks whose console output is shown, on every node (``"0,8-15"``
-            or a collection); beyond torch, which filters by local rank only.
-        forkserver_preload: modules the fork server imports once (``forkserver``).
         exit_barrier_timeout: how long a finished node waits for the others (torch
             hard-codes 300 s).
         restart_backoff: wait between failure restarts (`RestartBackoff`).
         no_retry_exit_codes: exit codes that fail the run at once.
-        stall_timeout: stop an attempt whose workers were all silent this long (seconds).
         metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
-        stop_leader_first: the stop signal goes to each worker alone first, to the rest
-            of its process group once it exited (torch signals the whole group).
-        collapse_identical_lines: print a console line that several local ranks write
-            identically within this many seconds once, as ``[ranks 0-7]: text``; None
-            (torch's behaviour): every copy.
+        options: the options of the workers' group as one `GroupOptions`. Each of its
+            fields is also a field here, by torch's name for it: ``redirects``, ``tee``,
+            ``shutdown_timeout``, ``log_line_prefix_template`` and the fields after
+            ``log_dir`` that `GroupOptions` documents (the console filters, by local and
+            by global rank, ``forkserver_preload``, ``stall_timeout``, the stop order,
+            ``collapse_identical_lines``). A value given here is written to its field
+            when the config is made; a field set differently in both places is a
+            TypeError.
     """
 
     min_nodes: int
@@ -220,6 +213,7 @@ class LaunchConfig:
     ranks_filter: Collection[int] | str | None = None
     stop_leader_first: bool = False
     collapse_identical_lines: float | None = None
+    options: GroupOptions | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -261,6 +255,13 @@ class LaunchConfig:
             self.rdzv_configs["timeout"] = self.rdzv_timeout
         elif "timeout" not in self.rdzv_configs:
             self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
+        if self.options is not None:
+            # The record's values become the torch-named fields' (a conflict is an error).
+            merged = GroupOptions.of(
+                self._group_fields(), options=self.options, torch=True, caller="LaunchConfig"
+            )
+            for name, value in merged.given(torch=True).items():
+                setattr(self, name, value)
         self.shutdown_timeout = values.field(
             "shutdown_timeout", node_values.shutdown_timeout, self.shutdown_timeout
         )
@@ -301,6 +302,14 @@ class LaunchConfig:
         state.pop("_resolved", None)
         return state
 
+    def _group_fields(self) -> dict[str, Any]:
+        """The group's options set in torch-named fields (those not at their default)."""
+        return {
+            name: getattr(self, name)
+            for name in _GROUP_FIELDS
+            if getattr(self, name) != _FIELD_DEFAULTS[name]
+        }
+
     def _inputs(self) -> tuple[Any, ...]:
         return tuple(_snapshot(getattr(self, name)) for name in _DERIVED_FROM)
 
@@ -325,23 +334,19 @@ class LaunchConfig:
         agent = AgentConfig.build(
             nprocs=self.nproc_per_node,
             start_method=self.start_method,
-            redirects=self.redirects,
-            tee=self.tee,
-            # Resolved from TORCH_ELASTIC_SHUTDOWN_TIMEOUT once, in __post_init__.
-            shutdown_timeout=self.shutdown_timeout,  # type: ignore[arg-type]
             exit_barrier_timeout=self.exit_barrier_timeout,
-            log_line_prefix_template=self.log_line_prefix_template,
-            local_ranks_filter=self.local_ranks_filter,
-            ranks_filter=self.ranks_filter,
-            forkserver_preload=self.forkserver_preload,
             signals_to_handle=self.signals_to_handle,
-            stall_timeout=self.stall_timeout,
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
-            stop_leader_first=self.stop_leader_first,
-            collapse_identical_lines=self.collapse_identical_lines,
+            options=self.options,
+            # shutdown_timeout among them, resolved once (its environment) in __post_init__.
+            **self._group_fields(),
         )
         return _Derived(self._inputs(), agent, store)
+
+
+#: Each field's default: a group option at its default here is not given.
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(LaunchConfig)}
 
 
 def _entrypoint_name(entrypoint: Callable[..., Any] | str, args: list[Any]) -> str:
