@@ -160,6 +160,25 @@ def cmd_lines(args: list[str]) -> None:
             view = view[os.write(1, view) :]
 
 
+def cmd_blocks(args: list[str]) -> None:
+    """Write ``args[0]`` numbered lines as a block-buffered writer does: 8 KiB at a time.
+
+    Each ``write`` is 8192 bytes of the lines' text, so it ends mid-line, and the rest of
+    that line comes with the next one, ``args[1]`` seconds later (a training step between
+    two flushes of a full buffer); the last ``write`` is what is left.
+    """
+    rank = os.environ.get("RANK", "0")
+    count, pause = int(args[0]), float(args[1])
+    text = "".join(f"rank {rank} line {i} " + "x" * (i % 61) + "\n" for i in range(count))
+    data = text.encode()
+    for start in range(0, len(data), 8192):
+        if start:
+            time.sleep(pause)
+        view = memoryview(data)[start : start + 8192]
+        while view:
+            view = view[os.write(1, view) :]
+
+
 def cmd_fail(args: list[str]) -> None:
     """Print a line to stderr and exit with ``args[0]``."""
     print("about to fail", file=sys.stderr, flush=True)
