@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -124,6 +125,66 @@ def cmd_both_ask(args: list[str]) -> None:
             fifo.read()
     line = input(f"rank {rank} asks? ")
     print(f"rank {rank} got {line!r}", flush=True)
+
+
+def cmd_owner_dies(args: list[str]) -> None:
+    """Both ranks ask; rank 0 dies (exit 0) while it asks, once ``args[1]`` says so.
+
+    Rank 0 asks at once, and exits from a thread when the FIFO ``args[1]`` is written,
+    its question unanswered. Rank 1 asks once the FIFO ``args[0]`` is written, and
+    prints what it got.
+    """
+    if os.environ["RANK"] == "0":
+
+        def die() -> None:
+            with open(args[1]) as fifo:
+                fifo.read()
+            os._exit(0)
+
+        threading.Thread(target=die, daemon=True).start()
+        input("rank 0 asks? ")
+        print("rank 0 got an answer", flush=True)
+    else:
+        with open(args[0]) as fifo:
+            fifo.read()
+        line = input("rank 1 asks? ")
+        print(f"rank 1 got {line!r}", flush=True)
+
+
+def cmd_late_ask(args: list[str]) -> None:
+    """Rank 1 asks only once the FIFO ``args[0]`` is written; rank 0 never reads stdin.
+
+    Rank 0 prints that it waits and waits for rank 1's answer on the FIFO ``args[1]``.
+    """
+    if os.environ["RANK"] == "1":
+        with open(args[0]) as go:
+            go.read()
+        line = input("rank 1 asks? ")
+        print(f"rank 1 got {line!r}", flush=True)
+        with open(args[1], "w") as fifo:
+            fifo.write(line)
+    else:
+        print("rank 0 waits", flush=True)
+        with open(args[1]) as fifo:
+            print(f"rank 0 heard {fifo.read()!r}", flush=True)
+
+
+def cmd_owner_goes_on(args: list[str]) -> None:
+    """Both ranks ask; rank 0 first, and after its answer it lives on, not reading.
+
+    Rank 0 asks at once; once answered it prints so and holds (alive, not reading stdin)
+    until the FIFO ``args[1]`` is written. Rank 1 asks once the FIFO ``args[0]`` is
+    written.
+    """
+    rank = os.environ["RANK"]
+    if rank == "1":
+        with open(args[0]) as fifo:
+            fifo.read()
+    line = input(f"rank {rank} asks? ")
+    print(f"rank {rank} got {line!r}", flush=True)
+    if rank == "0":
+        with open(args[1]) as fifo:
+            fifo.read()
 
 
 def cmd_winch(args: list[str]) -> None:
