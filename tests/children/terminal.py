@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -126,6 +127,66 @@ def cmd_both_ask(args: list[str]) -> None:
     print(f"rank {rank} got {line!r}", flush=True)
 
 
+def cmd_owner_dies(args: list[str]) -> None:
+    """Both ranks ask; rank 0 dies (exit 0) while it asks, once ``args[1]`` says so.
+
+    Rank 0 asks at once, and exits from a thread when the FIFO ``args[1]`` is written,
+    its question unanswered. Rank 1 asks once the FIFO ``args[0]`` is written, and
+    prints what it got.
+    """
+    if os.environ["RANK"] == "0":
+
+        def die() -> None:
+            with open(args[1]) as fifo:
+                fifo.read()
+            os._exit(0)
+
+        threading.Thread(target=die, daemon=True).start()
+        input("rank 0 asks? ")
+        print("rank 0 got an answer", flush=True)
+    else:
+        with open(args[0]) as fifo:
+            fifo.read()
+        line = input("rank 1 asks? ")
+        print(f"rank 1 got {line!r}", flush=True)
+
+
+def cmd_late_ask(args: list[str]) -> None:
+    """Rank 1 asks only once the FIFO ``args[0]`` is written; rank 0 never reads stdin.
+
+    Rank 0 prints that it waits and waits for rank 1's answer on the FIFO ``args[1]``.
+    """
+    if os.environ["RANK"] == "1":
+        with open(args[0]) as go:
+            go.read()
+        line = input("rank 1 asks? ")
+        print(f"rank 1 got {line!r}", flush=True)
+        with open(args[1], "w") as fifo:
+            fifo.write(line)
+    else:
+        print("rank 0 waits", flush=True)
+        with open(args[1]) as fifo:
+            print(f"rank 0 heard {fifo.read()!r}", flush=True)
+
+
+def cmd_owner_goes_on(args: list[str]) -> None:
+    """Both ranks ask; rank 0 first, and after its answer it lives on, not reading.
+
+    Rank 0 asks at once; once answered it prints so and holds (alive, not reading stdin)
+    until the FIFO ``args[1]`` is written. Rank 1 asks once the FIFO ``args[0]`` is
+    written.
+    """
+    rank = os.environ["RANK"]
+    if rank == "1":
+        with open(args[0]) as fifo:
+            fifo.read()
+    line = input(f"rank {rank} asks? ")
+    print(f"rank {rank} got {line!r}", flush=True)
+    if rank == "0":
+        with open(args[1]) as fifo:
+            fifo.read()
+
+
 def cmd_winch(args: list[str]) -> None:
     """Print the window size on each SIGWINCH; exit after ``args[0]`` of them."""
     left = int(args[0])
@@ -156,6 +217,25 @@ def cmd_lines(args: list[str]) -> None:
             for i in range(start, min(start + 64, count))
         ).encode()
         view = memoryview(block)
+        while view:
+            view = view[os.write(1, view) :]
+
+
+def cmd_blocks(args: list[str]) -> None:
+    """Write ``args[0]`` numbered lines as a block-buffered writer does: 8 KiB at a time.
+
+    Each ``write`` is 8192 bytes of the lines' text, so it ends mid-line, and the rest of
+    that line comes with the next one, ``args[1]`` seconds later (a training step between
+    two flushes of a full buffer); the last ``write`` is what is left.
+    """
+    rank = os.environ.get("RANK", "0")
+    count, pause = int(args[0]), float(args[1])
+    text = "".join(f"rank {rank} line {i} " + "x" * (i % 61) + "\n" for i in range(count))
+    data = text.encode()
+    for start in range(0, len(data), 8192):
+        if start:
+            time.sleep(pause)
+        view = memoryview(data)[start : start + 8192]
         while view:
             view = view[os.write(1, view) :]
 

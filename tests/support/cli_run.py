@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -93,10 +94,15 @@ class Launcher:
         assert ok, f"{text!r} not on stderr:\n{self.stderr}"
 
     def finish(self, timeout: float = 90) -> int:
-        """Wait for the launcher to exit and its output to be read; its exit status."""
+        """Wait for the launcher to exit and its output to be read; its exit status.
+
+        ``timeout`` bounds the whole (the exit and the reading), so that a test's waits
+        add up to its own timeout; past it, ``subprocess.TimeoutExpired``.
+        """
+        deadline = time.monotonic() + timeout
         code = self.proc.wait(timeout)
         for reader in self._readers:
-            reader.join(timeout)
+            reader.join(max(0.0, deadline - time.monotonic()))
         return code
 
     def kill(self) -> None:

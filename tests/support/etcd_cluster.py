@@ -19,7 +19,6 @@ mark in its environment.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import json
 import os
 import re
@@ -34,15 +33,19 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
 from tests.support.ports import free_ports
 
+#: The etcd binary the tests use, when set: read before ``PATH`` (CI sets Debian's
+#: ``/usr/bin/etcd``, so that another etcd earlier on ``PATH`` cannot stand in for it).
+BINARY_VAR = "AIOELASTIC_TEST_ETCD"
 #: What to install when the server is missing. Debian 12 ships etcd 3.4, which serves v2.
 INSTALL_SERVER = (
-    "needs an etcd server with the v2 API on PATH: apt-get install etcd-server "
+    f"needs an etcd server with the v2 API (${BINARY_VAR}, else etcd on PATH): "
+    "apt-get install etcd-server "
     "(etcd 3.4 or 3.5; 3.6 removed the v2 API that torch's etcd backends use)"
 )
 #: What to install when the client torch's etcd backends import is missing.
@@ -64,25 +67,50 @@ READY_TIMEOUT = 30.0
 REQUEST_TIMEOUT = 5.0
 
 
+def unavailable(reason: str) -> NoReturn:
+    """Skip the test for ``reason``; under ``CI=true``, fail it.
+
+    A developer's machine may lack etcd; CI installs it (``.ci/run``), so there a missing
+    server or client is a broken set-up that must not turn the etcd tests into skips and
+    leave the run green.
+    """
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and the etcd tests cannot run: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def etcd_binary() -> str:
-    """The etcd server binary, or skip the test saying what to install."""
-    path = shutil.which("etcd")
-    if path is None:
-        pytest.skip(INSTALL_SERVER)
+    """The etcd server binary, or skip (fail under CI) saying what to install."""
+    path = os.environ.get(BINARY_VAR) or shutil.which("etcd")
+    if path is None or not os.access(path, os.X_OK):
+        named = f" (${BINARY_VAR}={path} is no executable)" if path else ""
+        unavailable(INSTALL_SERVER + named)
     version = server_version(path)
     if version is not None and version >= (3, 6):
-        pytest.skip(
+        unavailable(
             f"etcd {'.'.join(map(str, version))} at {path} has no v2 API; " + INSTALL_SERVER
         )
     return path
 
 
 def require_client() -> None:
-    """Skip the test unless ``python-etcd`` (import name ``etcd``) is installed."""
+    """Skip (fail under CI) unless torch's etcd client, ``python-etcd``, imports.
+
+    Imported, not looked up among the installed distributions: what counts is the module
+    torch will import, ``etcd``, and that it has the two names of python-etcd that torch
+    and the launcher use (the PyPI package named ``etcd`` is another client).
+    """
     try:
-        importlib.metadata.version("python-etcd")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(INSTALL_CLIENT)
+        import etcd  # type: ignore[import-untyped]
+    except ImportError as e:
+        failed = str(e)
+    else:
+        failed = None
+    if failed is not None:
+        unavailable(f"{INSTALL_CLIENT} (import etcd: {failed})")
+    if not (hasattr(etcd, "Client") and hasattr(etcd, "EtcdException")):
+        where = getattr(etcd, "__file__", None) or etcd.__path__
+        unavailable(f"{INSTALL_CLIENT} (the etcd module at {where} is not python-etcd)")
 
 
 def server_version(path: str) -> tuple[int, int] | None:
@@ -397,7 +425,8 @@ class EtcdCluster:
 def etcd_cluster(directory: Path, size: int = 3) -> Iterator[EtcdCluster]:
     """A started cluster of ``size`` members under ``directory``, closed on the way out.
 
-    Skips the test when no etcd server (with a v2 API) is installed.
+    Skips the test (fails it under ``CI=true``) when no etcd server with the v2 API is
+    installed.
     """
     cluster = EtcdCluster(directory, size)
     try:

@@ -24,7 +24,8 @@ sends no event when a process starts to read a terminal. The look is made when a
 leaves a partial line (a prompt) on its output, a few times in the next fraction of a
 second (its read follows the prompt's write), then on a backoff timer while that prompt
 stands unanswered (a loaded machine may run the read seconds later), when a line is
-typed, and — only while a typed line waits for a reader — on a backoff timer. When
+typed, when a worker's output ends (it exited), and — only while a typed line waits for a
+reader — on a backoff timer. When
 ``/proc`` cannot tell (no ptrace access, an unknown machine), a worker whose output ends
 with a prompt counts as reading.
 
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from ..aio._lazy_event import wait_all
 from ..process._platform import proc_stat
 from ..process._runtime import runtime
 from ._console import console
@@ -154,6 +156,9 @@ class StdinRouter:
         self._targets.append(target)
         self._poke()
         try:
+            if target.streams:
+                await wait_all(pump.closed for pump in target.streams)
+                self._output_ended(target)
             await anyio.sleep_forever()
         finally:
             target.drop_looks()
@@ -344,6 +349,19 @@ class StdinRouter:
         target.standing_wait = 0.0
         target.looks.extend(now + delay for delay in _PROMPT_LOOKS)
         target.look_timer = self._loop.call_at(target.looks[0], self._poke)
+
+    def _output_ended(self, target: StdinTarget) -> None:
+        """The worker's output ended: it exited (with every descendant that shared it).
+
+        Its exit sends the router no event of its own, and an owner found reading is not
+        looked at again until something happens: without this, the keyboard would stay
+        with a dead owner, and the next reader's prompt unshown, until a line is typed.
+        Every worker is looked at now (this one reads nothing any more).
+        """
+        target.drop_looks()
+        if self._loop is not None:
+            self._look_all_at = self._loop.time()
+        self._poke()
 
     def _poke(self) -> None:
         if self._wake is not None:

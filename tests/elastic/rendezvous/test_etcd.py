@@ -18,6 +18,10 @@ member fails, so a node only needs its endpoint up while it starts.
 Workers that must be running while the test acts hold at a FIFO the test controls
 (`Gate`) after their first ``all_reduce``. Waits are on events (launcher output, etcd
 watches), except for torch's lease refreshes, which no watch sees (`wait_etcd_leases`).
+
+Each test's pytest timeout is the sum of its waits plus `ALLOWANCE` (`limit`), and fails
+that test only. Where etcd or python-etcd is missing the tests skip, saying what to
+install; under ``CI=true`` they fail instead (`tests.support.etcd_cluster.unavailable`).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli_run import Launcher, launch, launcher
-from tests.support.etcd_cluster import EtcdCluster, etcd_cluster, require_client
+from tests.support.etcd_cluster import READY_TIMEOUT, EtcdCluster, etcd_cluster, require_client
 from tests.support.paths import CHILDREN
 from tests.support.waits import make_fifo
 
@@ -56,13 +60,44 @@ ETCD_KEEPALIVE_TTL = 10.0
 #: (7 s), and a heartbeat or lease refresh comes every 5 s.
 KEEPALIVE_WAIT = 20.0
 
+#: Seconds a job may take to reach what the test waits for (its workers holding at the
+#: gate, or its end): the launcher's start with torch's import, the rendezvous through
+#: etcd, gloo's set-up and an all_reduce or two. 10-20 s here, on 2 loaded cores.
+JOB = 50.0
+#: Seconds a launcher whose etcd member is down may take to exit 1. The member refuses the
+#: connection, so this is the launcher's start, torch's import included: 6-9 s here at a
+#: load of 5-7 on 2 cores. A client that waited on a silent member instead would take
+#: python-etcd's read timeout, 60 s (torch's default ``read_timeout`` too).
+FAILS_AT_ONCE = 30.0
+#: Seconds a SIGKILLed launcher may take to be reaped with its workers and its output read.
+GONE = 30.0
+#: Seconds a test may take beyond the sum of its waits: starting and SIGKILLing processes
+#: (the launchers', the members'), etcd's short requests (milliseconds here, at most
+#: `tests.support.etcd_cluster.REQUEST_TIMEOUT` each), the checks.
+ALLOWANCE = 20.0
+
+
+def limit(*waits: float) -> pytest.MarkDecorator:
+    """The test's timeout: the sum of its ``waits`` plus `ALLOWANCE`; it fails that test only.
+
+    The suite's timeouts use the "thread" method (pyproject.toml), which ends the whole
+    session, because the "signal" method can hang an event loop's shielded teardown. These
+    tests run no event loop: they block in the main thread (a process's wait, a condition,
+    an HTTP read), which SIGALRM interrupts; its exception fails the test, and the
+    fixtures still kill the launchers and the cluster on the way out.
+    """
+    return pytest.mark.timeout(sum(waits) + ALLOWANCE, method="signal")
+
 
 # -- helpers ----------------------------------------------------------------------------
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    """A running three-member cluster (skips where etcd or python-etcd is missing)."""
+    """A running three-member cluster, within `READY_TIMEOUT`.
+
+    Skips where etcd or python-etcd is missing (fails under ``CI=true``).
+    """
     require_client()
     with etcd_cluster(tmp_path / "etcd") as started:
         yield started
@@ -141,6 +176,19 @@ def _v2_heartbeats(node: dict[str, object] | None) -> dict[str, datetime]:
     # torch's own pickle of its state (base64 in the key); unpickling imports torch.
     state = pickle.loads(base64.b64decode(str(node["value"])))
     return {repr(n): state.last_heartbeats[n] for n in state.participants}
+
+
+def finish_all(runs: tuple[Launcher, ...], timeout: float) -> list[int]:
+    """The exit statuses of ``runs``, which all end within one ``timeout``."""
+    deadline = time.monotonic() + timeout
+    return [run.finish(max(0.0, deadline - time.monotonic())) for run in runs]
+
+
+def wait_held(runs: tuple[Launcher, ...], timeout: float) -> None:
+    """Wait until the two workers of each of ``runs`` hold at the gate, within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    for run in runs:
+        run.wait_for(READY, 2, max(0.0, deadline - time.monotonic()))
 
 
 def still_running(runs: tuple[Launcher, ...]) -> None:
@@ -242,15 +290,14 @@ def wait_etcd_leases(
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.timeout(60)
+@limit(READY_TIMEOUT, JOB)  # 30 s the cluster + 50 s the job + 20 s = 100 s
 def test_two_launchers_run_a_two_node_gloo_job(cluster: EtcdCluster, backend: str) -> None:
     run_id = new_run_id()
     # Each node names another member: any one of them leads to the cluster.
     first = job(backend, cluster.members[0].endpoint, run_id)
     second = job(backend, cluster.members[1].endpoint, run_id)
     with launcher(*first) as a, launcher(*second) as b:
-        assert a.finish(50) == 0, a.stderr
-        assert b.finish(50) == 0, b.stderr
+        assert finish_all((a, b), JOB) == [0, 0], a.stderr + b.stderr
 
     sums = both((a, b), "sum")
     assert sorted(int(s["rank"]) for s in sums) == [0, 1, 2, 3]
@@ -262,22 +309,31 @@ def test_two_launchers_run_a_two_node_gloo_job(cluster: EtcdCluster, backend: st
     ]
 
 
+def launch_at_once(*argv: str) -> Launcher:
+    """Run a launcher that must fail at once; fail the test if it took `FAILS_AT_ONCE`."""
+    started = time.monotonic()
+    run = launch(*argv, timeout=FAILS_AT_ONCE)
+    took = time.monotonic() - started
+    assert took < FAILS_AT_ONCE, f"took {took:.1f} s:\n{run.stderr}"
+    return run
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.timeout(60)
+@limit(READY_TIMEOUT, FAILS_AT_ONCE)  # 30 s the cluster + 30 s the launcher + 20 s = 80 s
 def test_a_launcher_whose_etcd_member_is_down_fails_at_once(
     cluster: EtcdCluster, backend: str
 ) -> None:
     # The client learns the cluster from its endpoint, so that member must be up when a
     # node starts (later, any member will do).
     member = cluster.kill(cluster.followers()[0])
-    run = launch(*job(backend, member.endpoint, new_run_id(), nnodes="1"), timeout=50)
+    run = launch_at_once(*job(backend, member.endpoint, new_run_id(), nnodes="1"))
     assert run.proc.returncode == 1, run.stderr
     assert "Could not get the list of servers" in run.stderr
     assert "Traceback" not in run.stderr
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.timeout(60)
+@limit(READY_TIMEOUT, JOB)  # 30 s the cluster + 50 s the job + 20 s = 100 s
 def test_a_list_of_members_reaches_the_cluster_through_any_that_is_up(
     cluster: EtcdCluster, backend: str
 ) -> None:
@@ -291,16 +347,15 @@ def test_a_list_of_members_reaches_the_cluster_through_any_that_is_up(
         launcher(*job(backend, endpoint, run_id)) as a,
         launcher(*job(backend, endpoint, run_id)) as b,
     ):
-        assert a.finish(50) == 0, a.stderr
-        assert b.finish(50) == 0, b.stderr
+        assert finish_all((a, b), JOB) == [0, 0], a.stderr + b.stderr
     assert {(s["world"], s["sum"]) for s in both((a, b), "sum")} == {("4", "6")}
 
 
-@pytest.mark.timeout(60)
+@limit(READY_TIMEOUT, FAILS_AT_ONCE)  # 30 s the cluster + 30 s the launcher + 20 s = 80 s
 def test_a_list_of_members_none_up_names_each(cluster: EtcdCluster) -> None:
     down = [cluster.kill(m) for m in cluster.followers()]
     endpoint = ",".join(m.endpoint for m in down)
-    run = launch(*job("etcd-v2", endpoint, new_run_id(), nnodes="1"), timeout=50)
+    run = launch_at_once(*job("etcd-v2", endpoint, new_run_id(), nnodes="1"))
     assert run.proc.returncode == 1, run.stderr
     assert f"no member of --rdzv-endpoint {endpoint!r} answered" in run.stderr
     for member in down:
@@ -313,7 +368,10 @@ def test_a_list_of_members_none_up_names_each(cluster: EtcdCluster) -> None:
 
 @pytest.mark.parametrize("victim", ["leader", "follower"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.timeout(60)
+# 30 s the cluster + 50 s the job to the gate + 30 s an election + 2 x 20 s the keep-alives
+# (etcd: the leases, then a lease thread's death) + 50 s the job's end + 30 s the member's
+# restart + 20 s = 250 s
+@limit(READY_TIMEOUT, JOB, READY_TIMEOUT, 2 * KEEPALIVE_WAIT, JOB, READY_TIMEOUT)
 def test_a_running_job_outlives_the_loss_of_its_etcd_member(
     cluster: EtcdCluster, gate: Gate, backend: str, victim: str
 ) -> None:
@@ -322,8 +380,7 @@ def test_a_running_job_outlives_the_loss_of_its_etcd_member(
     # Both nodes name the member that is lost: their client has to move to another one.
     argv = job(backend, member.endpoint, run_id, gate=gate)
     with launcher(*argv) as a, launcher(*argv) as b:
-        a.wait_for(READY, 2)
-        b.wait_for(READY, 2)
+        wait_held((a, b), JOB)
         lost_at = time.time()
         cluster.kill(member)  # the leader: returns once the others elected a new one
         # The job goes on meanwhile: hold it until torch's keep-alive of every node went
@@ -334,8 +391,7 @@ def test_a_running_job_outlives_the_loss_of_its_etcd_member(
         else:
             lease_lost = wait_etcd_leases(cluster, run_id, lost_at, (a, b))
         gate.release()
-        assert a.finish(40) == 0, a.stderr
-        assert b.finish(40) == 0, b.stderr
+        assert finish_all((a, b), JOB) == [0, 0], a.stderr + b.stderr
 
     done = both((a, b), "done")
     assert sorted(int(d["rank"]) for d in done) == [0, 1, 2, 3]
@@ -368,7 +424,12 @@ QUICK_RECOVERY = {
 RECOVERY_LIMIT = 20.0
 
 
-def wait_joined(cluster: EtcdCluster, backend: str, run_id: str, timeout: float = 30) -> None:
+#: Seconds the first node may take to write the run's rendezvous into etcd: the
+#: launcher's start and its join.
+JOINED = 30.0
+
+
+def wait_joined(cluster: EtcdCluster, backend: str, run_id: str, timeout: float = JOINED) -> None:
     """Wait until a node wrote the run's rendezvous into etcd (it joined)."""
     key = (
         V2_STATE_KEY.format(run_id=run_id)
@@ -382,7 +443,9 @@ def wait_joined(cluster: EtcdCluster, backend: str, run_id: str, timeout: float 
 
 @pytest.mark.parametrize("victim", ["first", "second"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.timeout(60)
+# 30 s the cluster + 30 s the first node's join + 50 s the job to the gate + 30 s the
+# killed launcher's end + 50 s the survivor's restart and end + 20 s = 210 s
+@limit(READY_TIMEOUT, JOINED, JOB, GONE, JOB)
 def test_the_survivor_of_a_killed_launcher_restarts_alone_and_finishes(
     cluster: EtcdCluster,
     gate: Gate,
@@ -406,17 +469,16 @@ def test_the_survivor_of_a_killed_launcher_restarts_alone_and_finishes(
         # joins: the workers hold at the gate only at four.)
         wait_joined(cluster, backend, run_id)
         with launcher(*argv) as second:
-            first.wait_for(READY, 2)
-            second.wait_for(READY, 2)
+            wait_held((first, second), JOB)
             killed, survivor = (first, second) if victim == "first" else (second, first)
             killed_group = {r["group"] for r in lines(killed, "ready")}
             killed_at = time.time()
             killed.proc.kill()  # SIGKILL: no goodbye; its workers die with it
-            killed.finish()
+            killed.finish(GONE)
             # The survivor's workers go on into an all_reduce with the dead peers, fail,
             # and the survivor restarts alone.
             gate.release()
-            assert survivor.finish(50) == 0, survivor.stderr
+            assert survivor.finish(JOB) == 0, survivor.stderr
 
     again = [s for s in lines(survivor, "sum") if s["restart"] == "1"]
     assert sorted(int(s["rank"]) for s in again) == [0, 1], survivor.stdout
