@@ -226,35 +226,8 @@ class LaunchConfig:
             lambda pair: node_values.node_range(*pair),
             (self.min_nodes, self.max_nodes),
         )
-        unsupported = {
-            "logs_specs": (self.logs_specs is not None, "use log_dir, redirects, tee"),
-            "metrics_cfg": (bool(self.metrics_cfg), "aioelastic records no torch metrics"),
-            "event_log_handler": (
-                self.event_log_handler != "null",
-                "subscribe to elastic_launch(...).events() instead",
-            ),
-            "numa_options": (self.numa_options is not None, "bind inside the worker"),
-            "duplicate_stdout_filters": (self.duplicate_stdout_filters is not None, ""),
-            "duplicate_stderr_filters": (self.duplicate_stderr_filters is not None, ""),
-        }
-        for name, (used, hint) in unsupported.items():
-            if used:
-                raise ValueError(
-                    f"LaunchConfig.{name}={getattr(self, name)!r} is not supported by "
-                    f"aioelastic{'; ' + hint if hint else ''}"
-                )
-        values.field("rdzv_backend", node_values.rdzv_backend, self.rdzv_backend)
-        # Copied, not updated in place: the caller's dict may be shared between configs.
-        # Checked against the backend's options now, not when the launch makes a handler.
-        self.rdzv_configs = values.field(
-            "rdzv_configs",
-            lambda v: node_values.rdzv_conf(v, self.rdzv_backend),
-            self.rdzv_configs,
-        )
-        if self.rdzv_timeout != -1:
-            self.rdzv_configs["timeout"] = self.rdzv_timeout
-        elif "timeout" not in self.rdzv_configs:
-            self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
+        self._refuse_unsupported()
+        self._check_rendezvous()
         if self.options is not None:
             # The record's values become the torch-named fields' (a conflict is an error).
             merged = GroupOptions.of(
@@ -283,6 +256,41 @@ class LaunchConfig:
                 f"max_nodes={self.max_nodes} needs rdzv_endpoint='host:port' where every "
                 "node finds the rendezvous store"
             )
+
+    def _refuse_unsupported(self) -> None:
+        """torch's fields aioelastic does not implement: accepted only at their defaults."""
+        unsupported = {
+            "logs_specs": (self.logs_specs is not None, "use log_dir, redirects, tee"),
+            "metrics_cfg": (bool(self.metrics_cfg), "aioelastic records no torch metrics"),
+            "event_log_handler": (
+                self.event_log_handler != "null",
+                "subscribe to elastic_launch(...).events() instead",
+            ),
+            "numa_options": (self.numa_options is not None, "bind inside the worker"),
+            "duplicate_stdout_filters": (self.duplicate_stdout_filters is not None, ""),
+            "duplicate_stderr_filters": (self.duplicate_stderr_filters is not None, ""),
+        }
+        for name, (used, hint) in unsupported.items():
+            if used:
+                raise ValueError(
+                    f"LaunchConfig.{name}={getattr(self, name)!r} is not supported by "
+                    f"aioelastic{'; ' + hint if hint else ''}"
+                )
+
+    def _check_rendezvous(self) -> None:
+        """The backend and its options, and the join timeout they give."""
+        values.field("rdzv_backend", node_values.rdzv_backend, self.rdzv_backend)
+        # Copied, not updated in place: the caller's dict may be shared between configs.
+        # Checked against the backend's options now, not when the launch makes a handler.
+        self.rdzv_configs = values.field(
+            "rdzv_configs",
+            lambda v: node_values.rdzv_conf(v, self.rdzv_backend),
+            self.rdzv_configs,
+        )
+        if self.rdzv_timeout != -1:
+            self.rdzv_configs["timeout"] = self.rdzv_timeout
+        elif "timeout" not in self.rdzv_configs:
+            self.rdzv_configs["timeout"] = _DEFAULT_RDZV_TIMEOUT
 
     def _derived(self) -> _Derived:
         """The agent's settings and the store address; built again only after a change.

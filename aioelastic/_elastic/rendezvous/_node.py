@@ -271,71 +271,88 @@ class Rendezvous:
         """
 
         def join() -> RendezvousOutcome | None:
-            from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
-
-            try:
-                with connection_errors_explained(), self._reforming():
-                    info = self.handler.next_rendezvous()
-            except RendezvousGracefulExitError as e:
-                logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
-                return None
-            self._members = reform.members(self.handler)
-            bootstrap = info.bootstrap_store_info
-            addr = bootstrap.master_addr if bootstrap else None
-            port = bootstrap.master_port if bootstrap else None
-            if self.use_agent_store and self.membership_can_change:
-                addr, port = self._worker_store.next_round(info.store, info.rank, addr, port)
-            addr = master_addr or addr
-            port = master_port or port
-            if addr is None or port is None:
-                raise RuntimeError(
-                    f"the {self.backend!r} rendezvous reported no store for workers; "
-                    "set WorkerSpec(master_addr=..., master_port=...)"
-                )
-            base, world, role_base, role_world = _assign_ranks(
-                info.store, info.rank, info.world_size, role, local_world_size
-            )
-            host = self._local_addr or socket.getfqdn()
-            restarts = None
-            if self.membership_can_change:
-                restarts = _job_restarts(self.handler, info.store, self.run_id)
-                restart_count = _agree_restart_count(
-                    info.store, info.rank, restarts, own=self._restarts
-                )
-            else:
-                restart_count = self._restarts
-            self._counts_itself = restarts is None
-            channel = JobChannel(
-                info.store,
-                f"aioelastic/attempt{restart_count}",
-                node=info.rank,
-                nodes=info.world_size,
-                host=host,
-                restarts=restarts,
-                # etcd's cluster fails requests through an election and answers again;
-                # the others' store lives in one launcher, and once it refuses it is gone.
-                failing_lost_after=None
-                if self.backend in ("etcd", "etcd-v2")
-                else SINGLE_STORE_LOST_AFTER,
-            )
-            return RendezvousOutcome(
-                store=info.store,
-                group_rank=info.rank,
-                group_world_size=info.world_size,
-                master_addr=addr,
-                master_port=int(port),
-                base_global_rank=base,
-                world_size=world,
-                base_role_rank=role_base,
-                role_world_size=role_world,
-                restart_count=restart_count,
-                channel=channel,
-            )
+            return self._join(role, local_world_size, master_addr, master_port)
 
         outcome = await self._thread.call(join)
         if outcome is not None:
             self._last = outcome
         return outcome
+
+    def _join(
+        self, role: str, local_world_size: int, master_addr: str | None, master_port: int | None
+    ) -> RendezvousOutcome | None:
+        """`next_rendezvous` on the handler's thread: the round, the ranks, the channel."""
+        from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
+
+        try:
+            with connection_errors_explained(), self._reforming():
+                info = self.handler.next_rendezvous()
+        except RendezvousGracefulExitError as e:
+            logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
+            return None
+        self._members = reform.members(self.handler)
+        addr, port = self._workers_store(info, master_addr, master_port)
+        base, world, role_base, role_world = _assign_ranks(
+            info.store, info.rank, info.world_size, role, local_world_size
+        )
+        restarts = None
+        if self.membership_can_change:
+            restarts = _job_restarts(self.handler, info.store, self.run_id)
+            restart_count = _agree_restart_count(
+                info.store, info.rank, restarts, own=self._restarts
+            )
+        else:
+            restart_count = self._restarts
+        self._counts_itself = restarts is None
+        return RendezvousOutcome(
+            store=info.store,
+            group_rank=info.rank,
+            group_world_size=info.world_size,
+            master_addr=addr,
+            master_port=port,
+            base_global_rank=base,
+            world_size=world,
+            base_role_rank=role_base,
+            role_world_size=role_world,
+            restart_count=restart_count,
+            channel=self._channel(info, restart_count, restarts),
+        )
+
+    def _workers_store(
+        self, info: Any, master_addr: str | None, master_port: int | None
+    ) -> tuple[str, int]:
+        """Where this round's workers find their store: given, hosted afresh, or torch's."""
+        bootstrap = info.bootstrap_store_info
+        addr = bootstrap.master_addr if bootstrap else None
+        port = bootstrap.master_port if bootstrap else None
+        if self.use_agent_store and self.membership_can_change:
+            addr, port = self._worker_store.next_round(info.store, info.rank, addr, port)
+        addr = master_addr or addr
+        port = master_port or port
+        if addr is None or port is None:
+            raise RuntimeError(
+                f"the {self.backend!r} rendezvous reported no store for workers; "
+                "set WorkerSpec(master_addr=..., master_port=...)"
+            )
+        return addr, int(port)
+
+    def _channel(
+        self, info: Any, restart_count: int, restarts: tuple[Store, str] | None
+    ) -> JobChannel:
+        """The round's job channel, in the attempt's own key prefix of the round's store."""
+        return JobChannel(
+            info.store,
+            f"aioelastic/attempt{restart_count}",
+            node=info.rank,
+            nodes=info.world_size,
+            host=self._local_addr or socket.getfqdn(),
+            restarts=restarts,
+            # etcd's cluster fails requests through an election and answers again;
+            # the others' store lives in one launcher, and once it refuses it is gone.
+            failing_lost_after=None
+            if self.backend in ("etcd", "etcd-v2")
+            else SINGLE_STORE_LOST_AFTER,
+        )
 
     async def num_nodes_waiting(self) -> int:
         """How many nodes wait to join (a scale-up, or a replacement for a lost node)."""
