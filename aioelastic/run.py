@@ -5,9 +5,9 @@ Usage, exactly as torchrun::
     aioelastic-run --nproc-per-node 4 train.py --epochs 3
     python -m aioelastic.run --nnodes 2 --rdzv-backend c10d --rdzv-endpoint host:29400 train.py
 
-The command line (`._cli_flags`, `._cli_parser`, `._cli_plan`) is torchrun's; the job is
-run by the elastic agent (`._agent`), so workers see torchrun's environment. What changes
-is what happens around the workers:
+The command line (`._cli._cli_flags`, `._cli._cli_parser`, `._cli._cli_plan`) is
+torchrun's; the job is run by the elastic agent (`._elastic.agent._agent`), so workers see
+torchrun's environment. What changes is what happens around the workers:
 
 * exit status: 0 on success; the root cause's own exit code when a worker fails (128+N if
   signal N killed it); 128+N when the launcher is stopped by signal N. torchrun exits 1.

@@ -7,10 +7,9 @@ line winning over the environment, as in torchrun. A handful of flags of our own
 (marked in ``--help``). A torchrun flag we cannot honour is refused with a message when set
 to anything but its default; nothing is silently ignored.
 
-Each flag's text goes through its parser in `._values`, the one the API uses too, so a bad
-value reads the same from the command line and from `LaunchConfig`. The table is read by
-`._cli_parser` (argparse) and `._cli_plan` (the launch it describes).
-"""
+Each flag's text goes through its parser in `.._core.process._values`, the one the API uses
+too, so a bad value reads the same from the command line and from `LaunchConfig`. The table
+is read by `._cli_parser` (argparse) and `._cli_plan` (the launch it describes). """
 
 from __future__ import annotations
 

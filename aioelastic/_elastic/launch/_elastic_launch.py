@@ -322,7 +322,7 @@ class LaunchConfig:
         return tuple(_snapshot(getattr(self, name)) for name in _DERIVED_FROM)
 
     def _derive(self) -> _Derived:
-        """Parse what the agent reads, each value by its parser in `._values`.
+        """Parse what the agent reads, each value by its parser in `..._core.process._values`.
 
         Raises:
             ValueError, TypeError: a bad value, with the field's name.

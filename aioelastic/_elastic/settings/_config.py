@@ -1,8 +1,8 @@
 """The agent's typed configuration: every per-node setting parsed once, then read as is.
 
 `AgentConfig.build` is the one place where the agent's settings are parsed (each by its
-parser in `._values`); `LocalElasticAgent` and `elastic_launch` both go through it, and the
-agent only reads the frozen result.
+parser in `..._core.process._values` or `._node_values`); `LocalElasticAgent` and
+`elastic_launch` both go through it, and the agent only reads the frozen result.
 """
 
 from __future__ import annotations
