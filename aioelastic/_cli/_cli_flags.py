@@ -9,7 +9,8 @@ to anything but its default; nothing is silently ignored.
 
 Each flag's text goes through its parser in `.._core.process._values`, the one the API uses
 too, so a bad value reads the same from the command line and from `LaunchConfig`. The table
-is read by `._cli_parser` (argparse) and `._cli_plan` (the launch it describes). """
+is read by `._cli_parser` (argparse) and `._cli_plan` (the launch it describes).
+"""
 
 from __future__ import annotations
 
