@@ -3,7 +3,7 @@
 The stage is driven here by a fake clock and a console that records what it is given and
 when, so that interleavings, delays and the ends of streams can be chosen at will. Real
 workers follow in test_collapse_workers.py (``start_processes`` and ``aioelastic-run``
-over pipes; at a terminal in test_terminal.py, through ``start_processes`` in
+over pipes; at a terminal in test_terminal_workers.py, through ``start_processes`` in
 test_logs.py) and test_collapse_block_buffered.py (writers whose 8 KiB flushes end
 mid-line).
 """
