@@ -1,7 +1,7 @@
 """A two-rank gloo job that stops in ``torch.distributed.breakpoint(rank=1)``.
 
 Run by ``aioelastic-run --nproc-per-node 2`` under a pseudo-terminal
-(tests/core/output/test_terminal.py): rank 1 enters torch's debugger, which reads
+(tests/core/output/test_terminal_keyboard.py): rank 1 enters torch's debugger, which reads
 ``open("/dev/stdin")``, while rank 0 waits in the barrier after it; both finish with an
 all-reduce once the session continues.
 """

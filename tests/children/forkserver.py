@@ -1,4 +1,4 @@
-"""Workers and a child supervisor for tests/core/start/test_forkserver.py.
+"""Workers and a child supervisor for tests/core/start/test_forkserver_lifecycle.py.
 
 Run as ``python -m tests.children.forkserver inherited-signals``: a supervisor that
 starts fork-server workers with whatever signal state it inherited, and prints one JSON

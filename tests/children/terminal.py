@@ -1,4 +1,6 @@
-"""Workers for tests/core/output/test_terminal.py, run by ``aioelastic-run`` under a pty.
+"""Workers for the terminal tests, run by ``aioelastic-run`` under a pty.
+
+tests/core/output/test_terminal_workers.py and test_terminal_keyboard.py run them.
 
 Plain scripts (standard library only), as a user's training script would be::
 

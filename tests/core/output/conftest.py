@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests.support.log_supervisor import Supervisor
+from tests.support.terminal import Terminal
 
 
 @pytest.fixture
@@ -24,3 +25,19 @@ def supervise(tmp_path: Path) -> Iterator[Any]:
     yield start
     for sup in started:
         sup.close()
+
+
+@pytest.fixture
+def terminal() -> Iterator[type[Terminal]]:
+    """``terminal(argv, columns=, lines=, launcher=)`` -> a started :class:`Terminal`,
+    closed after the test (test_tty_readers.py has a ``terminal`` of its own: a bare pty)."""
+    started: list[Terminal] = []
+
+    class Started(Terminal):
+        def __init__(self, argv: list[str], **options: Any) -> None:
+            super().__init__(argv, **options)
+            started.append(self)
+
+    yield Started
+    for term in started:
+        term.close()

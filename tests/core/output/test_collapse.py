@@ -1,10 +1,11 @@
 """Identical console lines of several ranks printed once (``aioelastic/_core/_collapse.py``).
 
 The stage is driven here by a fake clock and a console that records what it is given and
-when, so that interleavings, delays and the ends of streams can be chosen at will; real
-workers through ``aioelastic-run`` (pipes here, a terminal in
-tests/core/output/test_terminal.py) and through ``start_processes``
-(tests/core/output/test_logs.py) follow.
+when, so that interleavings, delays and the ends of streams can be chosen at will. Real
+workers follow in test_collapse_workers.py (``start_processes`` and ``aioelastic-run``
+over pipes; at a terminal in test_terminal_workers.py, through ``start_processes`` in
+test_logs.py) and test_collapse_block_buffered.py (writers whose 8 KiB flushes end
+mid-line).
 """
 
 from __future__ import annotations
@@ -12,22 +13,14 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import os
 import random
 import re
 from collections.abc import Callable
-from pathlib import Path
 
-import anyio
 import pytest
 
-from aioelastic import Std, run_processes, start_processes
 from aioelastic._core.output import _collapse
 from aioelastic._core.output._collapse import Collapser, Lane, rank_ranges
-from tests.children import block_buffered, collapse as child
-from tests.support.cli_run import launcher
-from tests.support.paths import CHILDREN
-from tests.support.waits import ReadyFifo, make_fifo
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -363,257 +356,3 @@ def test_collapsing_happens_in_random_interleavings_of_the_same_lines() -> None:
         made.clock.advance(rng.random() * 0.05)
     made.clock.advance(2 * WINDOW)
     assert made.console.text == b"".join(b"[ranks 0-7]: line %d\n" % i for i in range(5))
-
-
-# -- real workers -------------------------------------------------------------------------
-
-
-SCRIPT = str(CHILDREN / "collapse.py")
-
-
-@pytest.mark.asyncio
-async def test_files_and_output_get_every_line_of_every_rank(tmp_path: Path) -> None:
-    nprocs = 4
-    sh = "echo same; echo mine $0; echo same; echo err >&2"
-    ctx = start_processes(
-        name="w",
-        entrypoint="/bin/sh",
-        args={r: ("-c", sh, str(r)) for r in range(nprocs)},
-        envs={r: {} for r in range(nprocs)},
-        log_dir=tmp_path / "logs",
-        redirects=Std.ALL,
-        tee=Std.ALL,
-        collapse_identical_lines=0.5,
-    )
-    seen: dict[tuple[int, Std], list[bytes]] = {}
-    async with ctx:
-        async for item in ctx.output():
-            seen.setdefault((item.local_rank, item.stream), []).append(item.data)
-        result = await ctx.wait()
-    assert result is not None
-    assert not result.is_failed()
-    for rank in range(nprocs):
-        out = b"same\nmine %d\nsame\n" % rank
-        assert (tmp_path / "logs" / str(rank) / "stdout.log").read_bytes() == out
-        assert (tmp_path / "logs" / str(rank) / "stderr.log").read_bytes() == b"err\n"
-        assert seen[rank, Std.OUT] == out.splitlines()
-        assert seen[rank, Std.ERR] == [b"err"]
-
-
-@pytest.mark.parametrize(
-    ("value", "error", "message"),
-    [
-        (0, ValueError, "collapse_identical_lines: 0 is not > 0 seconds"),
-        (-1, ValueError, "collapse_identical_lines: -1 is not > 0 seconds"),
-        (11, ValueError, "collapse_identical_lines: 11 seconds is longer than 10"),
-        (float("nan"), ValueError, "nan is not a finite number of seconds"),
-        ("soon", ValueError, "'soon' is not a number of seconds"),
-        (True, TypeError, "True is a bool, not a number of seconds"),
-    ],
-)
-@pytest.mark.asyncio
-async def test_a_bad_window_is_refused_before_anything_starts(
-    value: object, error: type[Exception], message: str
-) -> None:
-    with pytest.raises(error, match=re.escape(message)):
-        await run_processes(
-            "w",
-            "/bin/true",
-            {0: (), 1: ()},
-            {0: {}, 1: {}},
-            collapse_identical_lines=value,  # type: ignore[arg-type]
-        )
-
-
-def _cli_console(*extra: str, tmp_path: Path, nprocs: int = 8) -> tuple[bytes, bytes, int]:
-    """``aioelastic-run`` of the collapse child on ``nprocs`` ranks; its stdout, stderr."""
-    ready = ReadyFifo(tmp_path)
-    go = make_fifo(tmp_path, "go")
-    argv = ["--nproc-per-node", str(nprocs), *extra, SCRIPT, str(ready.path), str(go), "0"]
-    try:
-        with launcher(*argv) as run:
-            anyio.run(ready.lines, nprocs, 60)
-            # Opened read-write: never blocks, and lets every rank's open of it return.
-            fd = os.open(go, os.O_RDWR)
-            try:
-                code = run.finish(90)
-            finally:
-                os.close(fd)
-    finally:
-        ready.close()
-    return run.stdout.encode(), run.stderr.encode(), code
-
-
-def _expected_own(prefix: str, nprocs: int) -> dict[int, list[str]]:
-    return {r: [prefix % r + line for line in child.lines(r)[0][1:-1]] for r in range(nprocs)}
-
-
-def test_the_cli_prints_a_warning_of_every_rank_once_and_the_files_keep_every_copy(
-    tmp_path: Path,
-) -> None:
-    nprocs = 8
-    stdout, stderr, code = _cli_console(
-        "--tee", "3", "--log-dir", str(tmp_path / "logs"), "--collapse-identical-lines", "2",
-        tmp_path=tmp_path,
-    )  # fmt: skip
-    assert code == 0, stderr
-    lines = stdout.decode().splitlines()
-    assert lines.count(f"[ranks 0-7]: {child.WARNING}") == 1, lines
-    assert lines.count(f"[ranks 0-7]: {child.LAST}") == 1, lines
-    assert len(lines) == 2 + 3 * nprocs, lines
-    first, last = (
-        lines.index(f"[ranks 0-7]: {child.WARNING}"),
-        lines.index(f"[ranks 0-7]: {child.LAST}"),
-    )
-    for own in _expected_own("[default%d]:", nprocs).values():
-        # A rank's lines in order: the warning before them, the last line after them.
-        at = [lines.index(line) for line in own]
-        assert first < at[0] < at[1] < at[2] < last, lines
-    assert f"[ranks 0-7]: {child.ERR_WARNING}" in stderr.decode().splitlines()
-    # The log files are the ranks' own, every copy, untouched.
-    for rank in range(nprocs):
-        out, err = child.lines(rank)
-        (attempt,) = (tmp_path / "logs").glob(f"*/attempt_0/{rank}")
-        assert (attempt / "stdout.log").read_text() == "".join(f"{line}\n" for line in out)
-        assert (attempt / "stderr.log").read_text() == "".join(f"{line}\n" for line in err)
-
-
-def test_without_the_flag_every_copy_is_printed_as_torchrun_does(tmp_path: Path) -> None:
-    nprocs = 4
-    stdout, stderr, code = _cli_console("--tee", "3", tmp_path=tmp_path, nprocs=nprocs)
-    assert code == 0, stderr
-    lines = stdout.decode().splitlines()
-    assert sorted(lines) == sorted(
-        f"[default{rank}]:{line}" for rank in range(nprocs) for line in child.lines(rank)[0]
-    )
-    assert "[ranks" not in stdout.decode() + stderr.decode()
-
-
-# -- block-buffered writers: full buffers that end mid-line, far apart --------------------
-#
-# What a training script's print() does when its stdout is a pipe: the text reaches the
-# launcher in 8 KiB writes that end wherever the buffer filled, usually mid-line, and the
-# rest of that line comes with the next flush — seconds or minutes later. Each round ends
-# with a prompt on stderr that the launcher shows after its flush delay: once it is on the
-# console, the round's partial stdout line has waited that long too, and the next round
-# is let go. So every partial line is held across at least one flush delay, in every
-# round, with no sleep anywhere.
-
-BUFFERED = str(CHILDREN / "block_buffered.py")
-
-
-def _run_in_rounds(
-    mode: str, tmp_path: Path, *, nprocs: int, window: float, seed: int = 0
-) -> tuple[list[str], list[str], dict[int, list[int]]]:
-    """The block-buffered child on ``nprocs`` ranks: stdout and stderr lines, and the
-    size of each write of each rank."""
-    ready = ReadyFifo(tmp_path)
-    go_fds = []
-    for rank in range(nprocs):
-        # Read-write: never blocks, and lets the rank's open for reading return at once.
-        go_fds.append(os.open(make_fifo(tmp_path, f"go.{rank}"), os.O_RDWR))
-    argv = [
-        "--nproc-per-node", str(nprocs), "--tee", "3", "--log-dir", str(tmp_path / "logs"),
-        "--collapse-identical-lines", str(window),
-        BUFFERED, mode, str(ready.path), str(tmp_path), str(seed),
-    ]  # fmt: skip
-    sizes: dict[int, list[int]] = {rank: [] for rank in range(nprocs)}
-    try:
-        with launcher(*argv) as run:
-            for k in itertools.count():
-                told = [line.split() for line in anyio.run(ready.lines, nprocs, 60)]
-                if all(words[1:] == ["end"] for words in told):
-                    break
-                assert sorted(int(words[1]) for words in told) == [k] * nprocs, told
-                for words in told:
-                    sizes[int(words[0])].append(int(words[2]))
-                waited = f"[ranks 0-{nprocs - 1}]: {block_buffered.waiting(k)}\n"
-                run.wait_for_stderr(waited, 30)
-                for fd in go_fds:
-                    os.write(fd, b"g")
-            code = run.finish(60)
-    finally:
-        ready.close()
-        for fd in go_fds:
-            os.close(fd)
-    assert code == 0, run.stderr
-    # The files keep every rank's bytes as written: every copy, no prompt turned into a line.
-    for rank in range(nprocs):
-        (logs,) = (tmp_path / "logs").glob(f"*/attempt_0/{rank}")
-        text = "".join(f"{line}\n" for line in block_buffered.lines(rank))
-        assert (logs / "stdout.log").read_text() == text
-        prompts = "".join(map(block_buffered.waiting, range(k)))
-        assert (logs / "stderr.log").read_text() == prompts
-    return run.stdout.splitlines(), run.stderr.splitlines(), sizes
-
-
-def _mid_line(rank: int, sizes: list[int]) -> int:
-    """How many of ``sizes`` (the rank's writes, in order) end inside a line."""
-    text = "".join(f"{line}\n" for line in block_buffered.lines(rank)).encode()
-    ends = itertools.accumulate(sizes)
-    return sum(text[end - 1 : end] != b"\n" for end in ends)
-
-
-def _check_console(stdout: list[str], nprocs: int) -> None:
-    """Each line whole and once: a rank's own with its prefix, a shared one collapsed once
-    for every rank; and each rank's lines, its share of the collapsed ones included, in the
-    order it wrote them."""
-    expected = {rank: block_buffered.lines(rank) for rank in range(nprocs)}
-    shared = {line for line in expected[0] if line.startswith("shared ")}
-    own = {f"[default{rank}]:{line}" for rank in range(nprocs) for line in expected[rank]}
-    everyone = f"[ranks 0-{nprocs - 1}]: "
-    collapsed = [line[len(everyone) :] for line in stdout if line.startswith(everyone)]
-    assert sorted(collapsed) == sorted(shared), "a shared line not collapsed exactly once"
-    mine = [line for line in stdout if not line.startswith(everyone)]
-    assert not set(mine) - own, f"lines cut, merged or mislabelled: {sorted(set(mine) - own)[:3]}"
-    assert len(mine) + len(collapsed) == len(stdout)
-    for rank in range(nprocs):
-        prefix = f"[default{rank}]:"
-        shown = [
-            line[len(prefix) :] if line.startswith(prefix) else line[len(everyone) :]
-            for line in stdout
-            if line.startswith((prefix, everyone))
-        ]
-        assert shown == expected[rank], f"rank {rank}'s lines"
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("mode", ["blocks", "print"])
-def test_8k_flushes_rounds_apart_keep_lines_whole_and_collapsed(tmp_path: Path, mode: str) -> None:
-    nprocs = 4
-    stdout, stderr, sizes = _run_in_rounds(mode, tmp_path, nprocs=nprocs, window=1.0)
-    rounds = len(sizes[0])
-    assert rounds >= 5
-    for rank, written in sizes.items():
-        # Rounds of real buffer flushes, each a full buffer (the last, at exit, aside).
-        assert len(written) == rounds, sizes
-        if mode == "blocks":
-            assert written[:-1] == [8192] * (rounds - 1), written
-            assert _mid_line(rank, written[:-1]) == rounds - 1, "every flush cuts a line"
-        else:
-            assert all(size >= 8000 for size in written[:-1]), written
-    _check_console(stdout, nprocs)
-    # The prompts are still shown after the flush delay, once, collapsed: a small write
-    # that ends mid-line is not held for the rest of its line.
-    assert [line for line in stderr if line.startswith("[")] == [
-        f"[ranks 0-{nprocs - 1}]: {block_buffered.waiting(k)}" for k in range(rounds)
-    ]
-
-
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("seed", [1, 2])
-def test_full_buffers_cut_at_random_places_keep_lines_whole_and_collapsed(
-    tmp_path: Path, seed: int
-) -> None:
-    # Each rank's writes end at places of their own, so a shared line is whole on one
-    # rank a round before another: the window (10 s) spans the whole run, so every copy
-    # still joins its group.
-    nprocs = 4
-    stdout, _, sizes = _run_in_rounds("random", tmp_path, nprocs=nprocs, window=10.0, seed=seed)
-    for rank, written in sizes.items():
-        assert len(written) == block_buffered.ROUNDS
-        assert min(written) >= block_buffered.MIN_WRITE
-        assert _mid_line(rank, written[:-1]) == block_buffered.ROUNDS - 1, written
-    ends = {tuple(itertools.accumulate(written)) for written in sizes.values()}
-    assert len(ends) == nprocs, "each rank's writes should end at places of its own"
-    _check_console(stdout, nprocs)

@@ -3,7 +3,7 @@
 The supervisor's console is made to look like a terminal's (``ConsoleTerminals.probe``),
 and the router is replaced by the test itself: each worker's target gets a line written
 into its master side, which the worker reads from its stdin. Under a real terminal, with
-the real router, see ``tests/core/output/test_terminal.py``.
+the real router, see ``tests/core/output/test_terminal_keyboard.py``.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ async def test_each_binary_worker_reads_its_own_stdin_terminal(
 
 async def test_without_a_terminal_every_stdin_is_dev_null() -> None:
     if ConsoleTerminals.probe().stdin:
-        pytest.skip("run with the terminal as stdin (pytest -s): see test_terminal.py")
+        pytest.skip("run with the terminal as stdin (pytest -s): see test_terminal_workers.py")
     result = await aioelastic.run_processes(
         "stdin", core.stdin_line, {0: (), 1: ()}, envs(2), start_method="fork"
     )
