@@ -63,11 +63,14 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     if "aioelastic._elastic.store._serial_thread" in sys.modules:
         from ._elastic.store._serial_thread import calls_in_flight
 
-        if calls_in_flight():
+        if blocked := calls_in_flight():
             # A rendezvous or store call abandoned on its daemon thread (a store that
             # stopped answering) is still inside torch's C++ code: tearing the interpreter
             # down under it can abort the process (SIGABRT, SIGSEGV) and lose the exit
             # status. Everything of ours is done; leave without the interpreter's teardown.
+            logger.info(
+                "leaving with %d store call(s) still unanswered (exit status %d)", blocked, code
+            )
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()

@@ -16,8 +16,15 @@ from ..._core.child._error_file import NOT_AVAILABLE
 from ..._core.process._exit_status import exit_description
 from ..._core.reports._failures import ProcessFailure
 from ..observe._events import EndReason
+from ._store_site import StoreSite
 
-__all__ = ["AttemptEnd", "end_of_failure", "end_of_lost_store", "end_of_vanished"]
+__all__ = [
+    "AttemptEnd",
+    "end_of_failure",
+    "end_of_frozen_node",
+    "end_of_lost_store",
+    "end_of_vanished",
+]
 
 # Quoted in full by every node's report: a whole traceback is in the node's own log.
 _MESSAGE_LIMIT = 4096
@@ -139,18 +146,39 @@ def end_of_vanished(
     )
 
 
-def end_of_lost_store(node: int, host: str, error: BaseException, lasted: float) -> AttemptEnd:
-    """The `AttemptEnd` of a store that failed with ``error`` for ``lasted`` seconds."""
-    why = "no answer" if isinstance(error, TimeoutError) else f"{type(error).__name__}"
+def end_of_lost_store(node: int, host: str, why: str, lasted: float, site: StoreSite) -> AttemptEnd:
+    """The `AttemptEnd` of ``site``'s store that gave ``why`` (``"no answer"``, an error's
+    type) for ``lasted`` seconds, as node ``node`` (at ``host``) found it."""
+    return _store_lost(node, host, f"{site.name()} gave {why} for {lasted:.1f} s; {site.remedy()}")
+
+
+def end_of_frozen_node(
+    node: int, host: str, *, frozen_for: float, silent: int, silent_host: str, lost_after: float,
+    site: StoreSite,
+) -> AttemptEnd:  # fmt: skip
+    """The `AttemptEnd` of node ``node`` that stood still ``frozen_for`` seconds, after which
+    node ``silent`` stopped beating with no end written: the others lost the store.
+
+    Only a store that stopped answering them keeps the other nodes from writing why they
+    left (a node still for that long is otherwise ended as vanished by its watcher): the
+    store lives in this node's launcher, which stood still with it.
+    """
+    return _store_lost(
+        node,
+        host,
+        f"this node stood still for {frozen_for:.1f} s (its launcher was stopped or its "
+        f"machine froze), and node {silent} ({silent_host}) stopped beating since with no "
+        f"end written: the other nodes found {site.name()} silent for {lost_after:g} s "
+        f"and left the job; {site.remedy()}",
+    )
+
+
+def _store_lost(node: int, host: str, detail: str) -> AttemptEnd:
     return AttemptEnd(
         node=node,
         host=host,
         reason=EndReason.STORE_LOST,
-        detail=(
-            f"the rendezvous store gave {why} for {lasted:.1f} s; with c10d it "
-            "lives in the first node's launcher, a single point of failure: use "
-            "--rdzv-backend etcd-v2 (or etcd) for a job that must survive it"
-        ),
+        detail=detail,
         final=True,
         exitcode=1,
         timestamp=time.time(),

@@ -15,6 +15,7 @@ the store may live in its launcher.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -103,10 +104,12 @@ class EndTickets:
         """
         if self._ended is not None:
             return self._ended
+        bound = timeout or self._link.store_lost_after
         try:
-            self._ended = await self._link.call(lambda: self.take(end), timeout or None)
+            self._ended = await self._link.call(lambda: self.take(end), bound)
         except Exception as e:
-            logger.warning("could not tell the other nodes why this node ended: %s", e)
+            why = f"the store gave no answer in {bound:g} s" if isinstance(e, TimeoutError) else e
+            logger.warning("could not tell the other nodes why this node ended: %s", why)
             self._ended = end
         return self._ended
 
@@ -126,7 +129,13 @@ class EndTickets:
         would report a lost store instead of the root cause. Bounded by ``timeout``
         (default ``dead_after``); a node that never hears is a node that is gone.
         """
-        if _hearers(self._link.nodes, cause) <= 0:
+        hearers = _hearers(self._link.nodes, cause)
+        if hearers <= 0:
+            return
+        if self._link.unanswered:
+            # A call that got no answer still blocks the link's thread: nothing can be
+            # heard through the store until it returns, and this wait would only queue.
+            logger.info("not waiting for the other nodes to hear why: the store gave no answer")
             return
         bound = timeout or self._dead_after
         key = self._link.key("all_heard")
@@ -136,10 +145,27 @@ class EndTickets:
 
         try:
             await self._link.call(wait, bound + 1)
-        except Exception as e:
-            logger.debug("not every node heard why the job ended: %s", e)
+        except Exception:
+            logger.warning(
+                "not every other node heard why the attempt ended within %g s (%s); leaving",
+                bound,
+                await self._heard(hearers),
+            )
+
+    async def _heard(self, hearers: int) -> str:
+        """How many of the ``hearers`` did hear, as a report says it (asked for a second)."""
+        if not self._link.unanswered:
+            with contextlib.suppress(Exception):
+                heard = await self._link.call(
+                    lambda: self._link.store.add(self._link.key("heard"), 0), 1.0
+                )
+                return f"{heard} of {hearers} did"
+        return f"of {hearers}, how many did is not known: the store gave no answer"
 
 
 def _hearers(nodes: int, cause: AttemptEnd) -> int:
-    """How many nodes hear of ``cause``: all but its writer, and a vanished node."""
+    """How many nodes hear of ``cause``: all but its writer, and a vanished node; none
+    for a lost store (nothing can be heard through it)."""
+    if cause.reason is EndReason.STORE_LOST:
+        return 0
     return nodes - 1 - (cause.reason is EndReason.VANISHED)

@@ -34,12 +34,13 @@ import time
 import anyio
 
 from ..store._worker_store import Store
-from ._attempt_end import AttemptEnd, end_of_lost_store
+from ._attempt_end import AttemptEnd
 from ._end_tickets import EndTickets
 from ._job_stacks import JobStacks
-from ._link import STORE_LOST_AFTER, AttemptLink
-from ._liveness import DEAD_AFTER, Ring
+from ._link import STORE_LOST_AFTER, AttemptLink, Outage
+from ._liveness import DEAD_AFTER, Ring, Stillness
 from ._stack_gathering import STACKS_TIMEOUT, Capture, StackGathering
+from ._store_site import StoreSite
 
 __all__ = ["BEAT", "JobChannel"]
 
@@ -72,6 +73,7 @@ class JobChannel:
         failing_lost_after: seconds of store calls that fail (not hang) after which the
             attempt ends; `store_lost_after` unless given (`SINGLE_STORE_LOST_AFTER` for
             a store with no replicas).
+        site: the store as reports of its loss name it (backend, address).
     """
 
     def __init__(
@@ -87,9 +89,16 @@ class JobChannel:
         dead_after: float = DEAD_AFTER,
         store_lost_after: float = STORE_LOST_AFTER,
         failing_lost_after: float | None = None,
+        site: StoreSite | None = None,
     ) -> None:
         self._link = AttemptLink(
-            store, scope, node=node, nodes=nodes, host=host, store_lost_after=store_lost_after
+            store,
+            scope,
+            node=node,
+            nodes=nodes,
+            host=host,
+            store_lost_after=store_lost_after,
+            site=site,
         )
         self.beat = beat
         self.failing_lost_after = (
@@ -97,6 +106,7 @@ class JobChannel:
         )
         self._tickets = EndTickets(self._link, restarts, dead_after)
         self._ring = Ring(self._link, dead_after)
+        self._stillness = Stillness(store_lost_after, 2 * dead_after + store_lost_after)
         self._stacks = StackGathering(self._link, beat)
         # The news counter as last handled.
         self._news = 0
@@ -115,6 +125,12 @@ class JobChannel:
     def host(self) -> str:
         """This node's address as its peers know it."""
         return self._link.host
+
+    @property
+    def store_silent(self) -> bool:
+        """Whether the channel's last store call got no answer in time (it may still
+        block: later calls would only queue behind it)."""
+        return self._link.unanswered
 
     def __repr__(self) -> str:
         return (
@@ -140,24 +156,21 @@ class JobChannel:
         """
         if self.nodes == 1:
             await anyio.sleep_forever()  # a node alone: nobody to hear from
-        lost_after = self._link.store_lost_after
-        failing_since: float | None = None
+        outage = Outage(self._link, self.failing_lost_after)
         while True:
             await anyio.sleep(self.beat)
+            started = time.monotonic()
             try:
-                end = await self._link.call(self._beat)
+                end = await self._link.call(self._beat, outage.bound(started))
             except Exception as e:
-                now = time.monotonic()
-                failing_since = failing_since or now
+                # Nobody's counter can move meanwhile: stillness is judged afresh after.
                 self._ring.outage()
-                # A beat that hung for store_lost_after already counts as that long.
-                if isinstance(e, TimeoutError):
-                    return end_of_lost_store(self.node, self.host, e, lost_after)
-                if now - failing_since >= self.failing_lost_after:
-                    return end_of_lost_store(self.node, self.host, e, now - failing_since)
+                lost = outage.failed(e, started)
+                if lost is not None:
+                    return lost
                 logger.debug("job channel beat failed: %s", e)
                 continue
-            failing_since = None
+            outage.answered()
             if isinstance(end, int):
                 await self._stacks.answer(end, capture)
             elif end is not None:
@@ -165,6 +178,7 @@ class JobChannel:
 
     def _beat(self) -> AttemptEnd | int | None:
         """One beat: an end (the root cause), a stack request to answer (its number), or None."""
+        self._stillness.tick()
         self._ring.beat()
         news = self._link.news()
         if news != self._news:
@@ -174,10 +188,11 @@ class JobChannel:
             if request is not None:
                 return request  # news is read again next beat: more may wait
             self._news = news
+        self._stillness.tick()  # after the store calls: a stop during one shows too
         lost = self._ring.lost()
         if lost is None:
             return None
-        return self._tickets.take(self._ring.vanished(lost))
+        return self._tickets.take(self._ring.vanished(lost, self._stillness.frozen_for()))
 
     async def gather_stacks(self, capture: Capture, timeout: float = STACKS_TIMEOUT) -> JobStacks:
         """Every rank's stack across the job (`StackGathering.gather`)."""

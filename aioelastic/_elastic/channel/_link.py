@@ -4,8 +4,11 @@ Every key of the job channel lives under the attempt's scope in the store the re
 gives every node (no new server). The store calls block, so they run on a daemon thread of
 the channel's own (not the rendezvous handler's: a join or a poll stuck on a dead store must
 not delay a beat), one at a time, and each is bounded: a store that answers nothing for
-`STORE_LOST_AFTER` seconds ends the attempt as lost (for ``c10d`` the store lives in the
-first node's launcher, a single point of failure that etcd does not have).
+`STORE_LOST_AFTER` seconds ends the attempt as lost (for ``c10d`` the store lives in one
+node's launcher, a single point of failure that etcd does not have). An outage is timed
+from the start of the first call that did not succeed (`Outage`), so a store whose calls
+each fail after seconds of their own (an etcd cluster without quorum) is lost after
+`STORE_LOST_AFTER`, not that plus a call.
 
 The protocols that use the link (`EndTickets`, `Ring`, `StackGathering`) each own their
 keys; the one key they share is ``news``, a counter that ends and stack requests bump and
@@ -15,6 +18,7 @@ that every beat reads, so that a stack request costs the beats nothing.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -22,8 +26,10 @@ import anyio
 
 from ..store._serial_thread import SerialThread
 from ..store._worker_store import Store
+from ._attempt_end import AttemptEnd, end_of_lost_store
+from ._store_site import StoreSite
 
-__all__ = ["SINGLE_STORE_LOST_AFTER", "STORE_LOST_AFTER", "AttemptLink"]
+__all__ = ["SINGLE_STORE_LOST_AFTER", "STORE_LOST_AFTER", "AttemptLink", "Outage"]
 
 STORE_LOST_AFTER = 10.0
 """Seconds the store may fail or stay silent before the attempt ends as lost.
@@ -54,6 +60,7 @@ class AttemptLink:
         nodes: the number of nodes in the round.
         host: this node's address as its peers know it.
         store_lost_after: the bound of each store call, seconds (`STORE_LOST_AFTER`).
+        site: the store as reports name it.
     """
 
     def __init__(
@@ -65,6 +72,7 @@ class AttemptLink:
         nodes: int,
         host: str,
         store_lost_after: float = STORE_LOST_AFTER,
+        site: StoreSite | None = None,
     ) -> None:
         self.store = store
         self.scope = scope
@@ -72,6 +80,9 @@ class AttemptLink:
         self.nodes = nodes
         self.host = host
         self.store_lost_after = store_lost_after
+        self.site = site or StoreSite()
+        #: Whether the last call gave no answer in time (it may still block the thread).
+        self.unanswered = False
         #: Whether the attempt ended (`close`): waits that outlive it stop early.
         self.closing = False
         self._thread = SerialThread(f"aioelastic-job-{scope}")
@@ -87,8 +98,14 @@ class AttemptLink:
         Raises:
             TimeoutError: no answer in time (the call still finishes on the thread).
         """
-        with anyio.fail_after(self.store_lost_after if timeout is None else timeout):
-            return await self._thread.call(fn)
+        try:
+            with anyio.fail_after(self.store_lost_after if timeout is None else timeout):
+                result = await self._thread.call(fn)
+        except TimeoutError:
+            self.unanswered = True
+            raise
+        self.unanswered = False
+        return result
 
     def introduce(self) -> None:
         """Blocking: publish this node's address, for the reports of the other nodes."""
@@ -129,3 +146,45 @@ class AttemptLink:
         self.closing = True
         if not self._held:
             self._thread.close()
+
+
+class Outage:
+    """When the store counts as lost, for one node's beats.
+
+    An outage starts with the first call that does not succeed, at that call's start. The
+    store is lost once it stayed silent for ``store_lost_after`` seconds since then (each
+    call is bounded by what is left of that), or failed for ``failing_lost_after``.
+
+    Args:
+        link: the attempt's link (this node, the store's bound and site).
+        failing_lost_after: seconds of failing calls after which the store is lost.
+    """
+
+    def __init__(self, link: AttemptLink, failing_lost_after: float) -> None:
+        self._link = link
+        self._failing_lost_after = failing_lost_after
+        #: When the first call that did not succeed started, None while the store answers.
+        self.since: float | None = None
+        self._error: BaseException | None = None
+
+    def bound(self, started: float) -> float:
+        """The bound of a call that starts at ``started``: what is left of the outage."""
+        since = started if self.since is None else self.since
+        return max(0.0, since + self._link.store_lost_after - started)
+
+    def failed(self, error: BaseException, started: float) -> AttemptEnd | None:
+        """A call that started at ``started`` failed: the store's loss, once it is lost."""
+        if self.since is None:
+            self.since = started
+        if not isinstance(error, TimeoutError):
+            self._error = error
+        lasted = time.monotonic() - self.since
+        if not isinstance(error, TimeoutError) and lasted < self._failing_lost_after:
+            return None
+        link = self._link
+        why = "no answer" if self._error is None else type(self._error).__name__
+        return end_of_lost_store(link.node, link.host, why, lasted, link.site)
+
+    def answered(self) -> None:
+        """A call succeeded: the outage, if any, is over."""
+        self.since, self._error = None, None

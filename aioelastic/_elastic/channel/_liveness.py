@@ -6,6 +6,13 @@ counter that stays still for `DEAD_AFTER` seconds, the store answering, means th
 vanished (its launcher and workers SIGKILLed, its machine lost): the watcher ends the
 attempt on its behalf. A node whose workers all succeeded marks its counter done, so that
 its silence in the exit barrier is not taken for death; its watcher moves on to the next.
+
+A node can also find that it stood still itself (`Stillness`: SIGSTOP, a frozen machine).
+If it stood still for as long as the others give a silent store, and afterwards the node
+it watches stops beating while no node wrote why, the others must have lost the store: it
+lives in this node's launcher (``c10d``'s host), which stood still with it. Such a node
+ends the attempt as a lost store, final, as the others did, instead of counting a restart
+and waiting alone in the next round.
 """
 
 from __future__ import annotations
@@ -14,10 +21,10 @@ import logging
 import math
 import time
 
-from ._attempt_end import AttemptEnd, end_of_vanished
+from ._attempt_end import AttemptEnd, end_of_frozen_node, end_of_vanished
 from ._link import AttemptLink
 
-__all__ = ["DEAD_AFTER", "Ring"]
+__all__ = ["DEAD_AFTER", "Ring", "Stillness"]
 
 logger = logging.getLogger("aioelastic.agent")
 
@@ -74,9 +81,23 @@ class Ring:
             return None
         return self.watched
 
-    def vanished(self, node: int) -> AttemptEnd:
-        """Blocking: the end of ``node``, found lost, as its watcher tells it."""
+    def vanished(self, node: int, frozen_for: float | None = None) -> AttemptEnd:
+        """Blocking: the end of ``node``, found lost, as its watcher tells it.
+
+        ``frozen_for``: this node itself stood still that long just before (`Stillness`):
+        then the others lost the store, and ``node`` only left with them.
+        """
         link = self._link
+        if frozen_for is not None:
+            return end_of_frozen_node(
+                link.node,
+                link.host,
+                frozen_for=frozen_for,
+                silent=node,
+                silent_host=link.host_of(node),
+                lost_after=link.store_lost_after,
+                site=link.site,
+            )
         return end_of_vanished(
             node,
             link.host_of(node),
@@ -97,3 +118,34 @@ class Ring:
     def _watch_next(self) -> None:
         self.watched = (self.watched + 1) % self._link.nodes
         self._watched_count, self._watched_since = -1, time.monotonic()
+
+
+class Stillness:
+    """Whether this node itself stood still lately, as seen from its beats.
+
+    `tick` is called at each beat's start and again after its store calls; a gap between
+    two ticks of ``frozen_after`` seconds (the bound the other nodes give a silent store) is
+    remembered for ``remembered`` seconds: long enough for the watched node's counter to
+    be found still (`DEAD_AFTER` after its last move, which is at the latest in the first
+    beat after the gap).
+    """
+
+    def __init__(self, frozen_after: float, remembered: float) -> None:
+        self.frozen_after = frozen_after
+        self.remembered = remembered
+        self._last = time.monotonic()
+        # When a gap was seen, and how long it was.
+        self._gap: tuple[float, float] | None = None
+
+    def tick(self) -> None:
+        """This node runs now."""
+        now = time.monotonic()
+        if now - self._last >= self.frozen_after:
+            self._gap = (now, now - self._last)
+        self._last = now
+
+    def frozen_for(self) -> float | None:
+        """How long this node stood still, if it did within the last ``remembered`` seconds."""
+        if self._gap is None or time.monotonic() - self._gap[0] > self.remembered:
+            return None
+        return self._gap[1]

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ import anyio
 from ..channel._attempt_end import AttemptEnd
 from ..channel._job_channel import JobChannel
 from ..channel._link import SINGLE_STORE_LOST_AFTER
+from ..channel._store_site import StoreSite
 from ..observe._events import EndReason
 from ..store._serial_thread import SerialThread, on_daemon_thread
 from ..store._worker_store import Store, WorkerStoreHost, free_port
@@ -59,6 +61,11 @@ _RESTART_COUNT_KEY = "aioelastic/restart_count"
 
 CLOSE_TIMEOUT = 30.0
 """How long `Rendezvous.aclose` waits for torch's ``shutdown()`` (torch's close timeout)."""
+
+# torch's handlers whose store gave the job channel no answer when an attempt ended: never
+# shut down (torch's shutdown writes to that store, and would only wait out CLOSE_TIMEOUT).
+# Kept by handler: the launch closes it through a `Rendezvous` of its own, after the agent's.
+_STORE_LOST: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -347,6 +354,7 @@ class Rendezvous:
             nodes=info.world_size,
             host=self._local_addr or socket.getfqdn(),
             restarts=restarts,
+            site=StoreSite(self.backend, _store_address(info.store)),
             # etcd's cluster fails requests through an election and answers again;
             # the others' store lives in one launcher, and once it refuses it is gone.
             failing_lost_after=None
@@ -365,11 +373,15 @@ class Rendezvous:
 
     def attempt_ended(self, end: AttemptEnd) -> None:
         """Count ``end`` where the nodes count restarts themselves (``static``, custom);
-        a node that vanished is forgotten by the next round at once."""
+        a node that vanished is forgotten by the next round at once; a store that gave
+        the channel no answer is not shut down (`aclose`)."""
         if end.counts and self._counts_itself:
             self._restarts += 1
         if end.reason == EndReason.VANISHED:
             self._lost.add(end.node)
+        channel = self._last.channel if self._last is not None else None
+        if channel is not None and channel.store_silent:
+            _STORE_LOST.add(self.handler)
         # Every node of the previous round rejoins now: the next join closes its round as
         # soon as they are in, and forgets one that stays silent (`_rdzv_reform`).
         self._reform = True
@@ -437,6 +449,11 @@ class Rendezvous:
         """
         if shutdown is None:
             shutdown = self.owned
+        if shutdown and self.handler in _STORE_LOST:
+            logger.info(
+                "rendezvous %r: its store gave no answer; not shutting it down", self.run_id
+            )
+            shutdown = False
         try:
             if shutdown:
                 with anyio.move_on_after(CLOSE_TIMEOUT, shield=True) as scope:
@@ -450,6 +467,17 @@ class Rendezvous:
             self._last = None
             self._worker_store.close()
             self._thread.close()
+
+
+def _store_address(store: Store) -> str | None:
+    """``host:port`` of a round's store, for reports: the TCPStore under torch's
+    ``PrefixStore``, or the etcd client's member; None when neither says."""
+    store = getattr(store, "underlying_store", store)
+    where = getattr(store, "client", store)  # torch's EtcdStore: its python-etcd client
+    host, port = getattr(where, "host", None), getattr(where, "port", None)
+    if not isinstance(host, str) or not isinstance(port, int):
+        return None
+    return f"{host}:{port}"
 
 
 def _job_restarts(

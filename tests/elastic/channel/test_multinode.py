@@ -9,144 +9,20 @@ backend. Every bound asserted is far above what is measured (about a second for 
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import threading
 import time
-import uuid
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
 from aioelastic._elastic.channel._liveness import DEAD_AFTER
 from aioelastic._elastic.channel._stack_gathering import STACKS_TIMEOUT
-from tests.support.cli_run import Launcher, with_env
-from tests.support.paths import CHILDREN
-from tests.support.ports import free_port
-from tests.support.waits import make_fifo, wait_all_gone
+from tests.support.multinode import BOUND, DONE, READY, ended_within, job, stopped
+from tests.support.waits import wait_all_gone
 
 # Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
 # installed (CI's runs on 3.10 and 3.13).
 pytestmark = pytest.mark.torch
-
-JOB = str(CHILDREN / "multinode_job.py")
-READY = re.compile(r"ready rank=(\d+) restart=(\d+) pid=(\d+)")
-DONE = re.compile(r"done rank=(\d+) restart=(\d+)")
-#: What "every node ended or restarted in seconds" means here (measured: about 1 s for an
-#: end told through the store, about 6 s for a vanished node).
-BOUND = 10.0
-
-
-class Job:
-    """``nodes`` launchers of one job, node i on 127.0.0.(i+1), node 0 hosting the store."""
-
-    def __init__(self, tmp_path: Path, nodes: int, *, mode: str = "hang", **env: str) -> None:
-        self.tmp_path = tmp_path
-        self.nodes = nodes
-        self.go = make_fifo(tmp_path, "go")
-        self.mode = mode
-        self.env = with_env(**env)
-        self.endpoint = f"127.0.0.1:{free_port()}"
-        self.run_id = uuid.uuid4().hex[:8]
-        self.launchers: list[Launcher] = []
-
-    def start(
-        self,
-        *flags: str,
-        nnodes: str | None = None,
-        last_call: bool = True,
-        node_flags: Mapping[int, Sequence[str]] | None = None,
-    ) -> None:
-        """Start the launchers; ``last_call=False`` keeps torch's last call (30 s).
-
-        ``node_flags``: flags given to one node's launcher only, by node.
-        """
-        for node in range(self.nodes):
-            conf = f"join_timeout=60,is_host={int(node == 0)}"
-            if last_call:
-                conf += ",last_call_timeout=1"
-            self.launchers.append(
-                Launcher(
-                    [
-                        f"--nnodes={nnodes or self.nodes}",
-                        "--nproc-per-node=2",
-                        "--rdzv-backend=c10d",
-                        f"--rdzv-endpoint={self.endpoint}",
-                        f"--rdzv-id={self.run_id}",
-                        f"--rdzv-conf={conf}",
-                        f"--local-addr=127.0.0.{node + 1}",
-                        "--monitor-interval=0.1",
-                        *flags,
-                        *(node_flags or {}).get(node, ()),
-                        JOB,
-                        self.mode,
-                        str(self.tmp_path),
-                    ],
-                    self.env,
-                    new_session=True,
-                )
-            )
-
-    def ready(self, restart: int = 0, timeout: float = 90) -> dict[int, int]:
-        """Wait until every worker of attempt ``restart`` said ready; pids by rank."""
-        pids = {}
-        for node, launcher in enumerate(self.launchers):
-            pattern = re.compile(rf"ready rank=(\d+) restart={restart} pid=(\d+)")
-            for match in launcher.wait_for(pattern, 2, timeout):
-                pids[int(match.group(1))] = int(match.group(2))
-            assert len(pids) == 2 * (node + 1), pids
-        return pids
-
-    def trigger(self, timeout: float = 30) -> float:
-        """Let the failing rank fail (it reads ``go``); when that was, monotonic."""
-        opened = threading.Event()
-
-        def open_for_writing() -> None:
-            os.close(os.open(self.go, os.O_WRONLY))
-            opened.set()
-
-        thread = threading.Thread(target=open_for_writing, daemon=True)
-        thread.start()
-        assert opened.wait(timeout), "the failing rank never opened its FIFO"
-        return time.monotonic()
-
-    def finish(self, timeout: float = 90) -> list[tuple[int, float]]:
-        """Each launcher's exit status and when it was seen, in node order."""
-        ends = []
-        for launcher in self.launchers:
-            code = launcher.finish(timeout)
-            ends.append((code, time.monotonic()))
-        return ends
-
-    def kill_node(self, node: int, pids: dict[int, int]) -> float:
-        """SIGKILL node ``node``'s launcher and its workers, as when a machine is lost; when."""
-        killed_at = time.monotonic()
-        os.killpg(self.launchers[node].proc.pid, signal.SIGKILL)
-        for rank in (2 * node, 2 * node + 1):
-            os.kill(pids[rank], signal.SIGKILL)
-        return killed_at
-
-    def kill_all(self) -> None:
-        for launcher in self.launchers:
-            if launcher.proc.poll() is None:
-                os.killpg(launcher.proc.pid, signal.SIGKILL)
-            launcher.finish()
-
-
-@contextmanager
-def job(tmp_path: Path, nodes: int, **kwargs: str) -> Iterator[Job]:
-    """A `Job`, every launcher's session killed on the way out (only on a failed test)."""
-    running = Job(tmp_path, nodes, **kwargs)
-    with ExitStack() as stack:
-        stack.callback(running.kill_all)
-        yield running
-
-
-def _ended_within(ends: list[tuple[int, float]], since: float) -> list[float]:
-    return [round(seen - since, 2) for _, seen in ends]
 
 
 @pytest.mark.slow
@@ -160,7 +36,7 @@ def test_a_failed_rank_ends_every_node_although_its_peers_notice_nothing(
         pids = running.ready()
         failed_at = running.trigger()
         ends = running.finish()
-        took = _ended_within(ends, failed_at)
+        took = ended_within(ends, failed_at)
         assert all(t < BOUND for t in took), took
         assert [code for code, _ in ends] == [7, 7, 7], [n.stderr for n in running.launchers]
         assert wait_all_gone(list(pids.values()), 10) == []
@@ -186,7 +62,7 @@ def test_after_a_failure_anywhere_every_node_restarts_with_the_jobs_count(
         ends = running.finish()
         assert [code for code, _ in ends] == [0, 0, 0], [n.stderr for n in running.launchers]
     # Every node restarted at once, not when its own ranks noticed (they never would).
-    assert all(t < 60 for t in _ended_within(ends, failed_at))
+    assert all(t < 60 for t in ended_within(ends, failed_at))
     done = sorted(
         (int(m.group(1)), int(m.group(2)))
         for launcher in running.launchers
@@ -222,7 +98,7 @@ def test_a_launcher_stopped_by_sigterm_ends_the_attempt_on_every_node(tmp_path: 
         stopped_at = time.monotonic()
         running.launchers[1].proc.send_signal(signal.SIGTERM)
         ends = running.finish()
-        took = _ended_within(ends, stopped_at)
+        took = ended_within(ends, stopped_at)
         assert all(t < BOUND for t in took), took
         assert wait_all_gone(list(pids.values()), 10) == []
     assert ends[1][0] == 128 + signal.SIGTERM
@@ -239,7 +115,7 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
         pids = running.ready()
         killed_at = running.kill_node(2, pids)
         ends = running.finish()
-        took = _ended_within(ends[:2], killed_at)
+        took = ended_within(ends[:2], killed_at)
         assert all(t < BOUND for t in took), took
         assert wait_all_gone(list(pids.values()), 10) == []
     assert ends[2][0] == -signal.SIGKILL
@@ -387,7 +263,7 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
         pids = running.ready()
         killed_at = running.kill_node(0, pids)
         ends = running.finish()
-        took = _ended_within(ends[1:], killed_at)
+        took = ended_within(ends[1:], killed_at)
         # c10d's store refuses once its launcher is gone: no election to wait out, so the
         # others end as fast as after any failure (etcd's is given 10 s; see test_etcd).
         assert all(t < BOUND for t in took), took
@@ -396,20 +272,10 @@ def test_losing_the_c10d_stores_host_ends_every_node_with_that_reason(tmp_path: 
         launcher = running.launchers[node]
         assert ends[node][0] == 1, launcher.stderr
         assert "lost the rendezvous store" in launcher.stderr, launcher.stderr
-        assert "a single point of failure: use --rdzv-backend etcd-v2" in launcher.stderr
+        assert "a single point of failure: --rdzv-backend etcd-v2 keeps" in launcher.stderr
 
 
 # -- nodes that never answer -------------------------------------------------------------
-
-
-@contextmanager
-def stopped(launcher: Launcher) -> Iterator[None]:
-    """``launcher`` SIGSTOPped (a wedged machine: it answers nothing), continued on exit."""
-    os.kill(launcher.proc.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(launcher.proc.pid, signal.SIGCONT)
 
 
 @pytest.mark.slow
@@ -460,7 +326,7 @@ def test_a_node_whose_peer_never_hears_of_the_end_lingers_no_longer_than_its_bou
                     for launcher in running.launchers[:2]]  # fmt: skip
         ends.append((running.launchers[2].finish(), time.monotonic()))
         assert wait_all_gone(list(pids.values()), 10) == []
-    took = _ended_within(ends[:2], failed_at)
+    took = ended_within(ends[:2], failed_at)
     assert all(t < DEAD_AFTER + BOUND for t in took), took
     assert [code for code, _ in ends[:2]] == [7, 7], [n.stderr for n in running.launchers]
     assert "rank      : 1 (local_rank: 1)" in running.launchers[0].stderr
