@@ -242,6 +242,37 @@ def cmd_blocks(args: list[str]) -> None:
             view = view[os.write(1, view) :]
 
 
+def cmd_blocks_in_pieces(args: list[str]) -> None:
+    """``cmd_blocks``' output (``args[0]`` lines, ``args[1]`` s between 8 KiB blocks), each
+    block written in 2048-byte pieces, each piece after a byte came on fd ``args[2]``:
+    the pieces of one write a pty's reader gets when it keeps up with the writer."""
+    rank = os.environ.get("RANK", "0")
+    count, pause, go = int(args[0]), float(args[1]), int(args[2])
+    text = "".join(f"rank {rank} line {i} " + "x" * (i % 61) + "\n" for i in range(count))
+    data = text.encode()
+    for start in range(0, len(data), 8192):
+        if start:
+            time.sleep(pause)
+        for piece in range(start, min(start + 8192, len(data)), 2048):
+            if piece:
+                os.read(go, 1)
+            view = memoryview(data)[piece : min(piece + 2048, start + 8192)]
+            while view:
+                view = view[os.write(1, view) :]
+
+
+def cmd_block_then_prompt(args: list[str]) -> None:
+    """Write 200 whole lines (7.7 KB) in one ``write``; once a byte comes on fd
+    ``args[0]``, ``name? `` (a prompt, a write of its own); ``args[1]`` s later ``done``."""
+    data = memoryview("".join(f"line {i} " + "x" * (i % 61) + "\n" for i in range(200)).encode())
+    while data:
+        data = data[os.write(1, data) :]
+    os.read(int(args[0]), 1)
+    os.write(1, b"name? ")
+    time.sleep(float(args[1]))
+    os.write(1, b"done\n")
+
+
 def cmd_fail(args: list[str]) -> None:
     """Print a line to stderr and exit with ``args[0]``."""
     print("about to fail", file=sys.stderr, flush=True)

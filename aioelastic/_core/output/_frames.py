@@ -111,6 +111,11 @@ class Framer:
         return len(self._partial) > self._shown
 
     @property
+    def fed(self) -> int:
+        """How many bytes were fed so far (where the next :meth:`feed` begins)."""
+        return self._fed
+
+    @property
     def held_from(self) -> int:
         """Where in the stream the bytes held back (see :attr:`holding`) begin.
 

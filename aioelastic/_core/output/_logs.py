@@ -10,9 +10,9 @@ each, for hundreds of workers). On each call it:
 * cuts the bytes into whole lines and progress frames for the console (prefixed when
   tee'd) with a :class:`~._frames.Framer`, holding back a partial line until its newline,
   its redrawing ``\r``, the end of the stream, or :data:`FLUSH_DELAY` after its first
-  byte arrived (no delay while the last read was a block-buffered writer's full buffer,
-  see :data:`BLOCK_WRITE`) — through a :mod:`._collapse` stage when identical lines of
-  several ranks are printed once;
+  byte arrived (no delay while the last write was a block-buffered writer's full buffer,
+  see :data:`BLOCK_WRITE`, which a pty hands over in pieces: :data:`PTY_PIECE`) — through
+  a :mod:`._collapse` stage when identical lines of several ranks are printed once;
 * keeps the last lines of stderr for the failure report.
 
 The read end may be a pipe or the master side of a pseudo-terminal (:mod:`._terminal`),
@@ -45,11 +45,24 @@ logger = logging.getLogger("aioelastic")
 #: counted from its first byte: a bar that keeps growing is still shown this often.
 FLUSH_DELAY = 0.25
 
-#: A read this long that ends mid-line is a block-buffered writer's full buffer, not a
+#: A write this long that ends mid-line is a block-buffered writer's full buffer, not a
 #: prompt: the rest of its line comes with the writer's next flush, however late, so the
 #: line waits for it with no flush delay. C's stdio flushes 4096 bytes to a pipe, Python's
 #: ``print()`` about 8 KiB; a prompt (``print(end="")``, ``input()``) is a small write.
+#: A pipe hands such a write to one read; a pty in pieces (see :data:`PTY_PIECE`).
 BLOCK_WRITE = 4096
+
+#: The kernel passes a write to a pty's slave on in pieces of this size (``tty_write``
+#: copies at most 2048 bytes at a time and may yield the CPU between two of them), and
+#: the master's line discipline holds at most 4095 bytes for a read. Reading until
+#: ``EAGAIN`` gets all that was passed on: a read that finds the line discipline empty
+#: first waits for the pty's pending input to be moved into it (``n_tty_read`` calls
+#: ``tty_buffer_flush_work``). So a batch of reads ends inside a write only where the
+#: writer had not passed the next piece on yet, after at least one whole piece: a batch
+#: this long may be continued by the next one; a shorter one (a line, a prompt) is
+#: always a write's end. Output post-processing is off on our ptys (``_terminal.py``),
+#: which would otherwise cut pieces at each newline it translates.
+PTY_PIECE = 2048
 
 _CHUNK = 1 << 16
 _CHUNKS_PER_WAKEUP = 64
@@ -76,7 +89,12 @@ class StreamPump:
 
     # Two per worker, hundreds of workers: no per-instance dict.
     __slots__ = (
+        "_batch",
+        "_batch_at",
+        "_batch_from",
+        "_burst",
         "_console",
+        "_dry",
         "_fd",
         "_flush_at",
         "_framer",
@@ -121,6 +139,15 @@ class StreamPump:
         self._framer = Framer(prefix, console=console is not None, keep_tail=keep_tail, live=live)
         #: When the held partial line must be printed (``inf`` while none is held).
         self._flush_at = math.inf
+        #: The reads since the pipe was last found empty (a batch, see PTY_PIECE): their
+        #: bytes, where in the stream they begin, the time of the last one; whether the
+        #: batch ended (a read found the pipe empty); the bytes of the batches that may be
+        #: pieces of one write, this one included (see ``_frame``).
+        self._batch = 0
+        self._batch_from = 0
+        self._batch_at = -math.inf
+        self._dry = True
+        self._burst = 0
         #: The loop calling us back while started (see :meth:`start`).
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Whether the reader callback is registered for ``_fd`` now, and where.
@@ -296,6 +323,7 @@ class StreamPump:
             try:
                 chunk = os.read(self._fd, _CHUNK)
             except BlockingIOError:
+                self._dry = True
                 return
             except OSError as exc:
                 # A pseudo-terminal's master reads EIO once every slave side is closed.
@@ -364,7 +392,7 @@ class StreamPump:
         return [line.decode("utf-8", "replace") for line in self._framer.tail_lines()]
 
     def _consume(self, chunk: bytes) -> None:
-        self.last_output = time.monotonic()
+        self.last_output = now = time.monotonic()
         # The end of the output so far, not of this chunk: `python -u` writes a print's
         # text and its newline in two writes, and the last chunk is often just "\n".
         self.last_chunk = (self.last_chunk + chunk[-256:])[-256:]
@@ -373,20 +401,40 @@ class StreamPump:
         if self._output is not None:
             self._output.feed(chunk)
         if self._console is not None or self._framer.keeps_tail:
-            self._frame(chunk)
+            self._frame(chunk, now)
         if self.on_chunk is not None:
             self.on_chunk(chunk)
 
-    def _frame(self, chunk: bytes) -> None:
+    def _frame(self, chunk: bytes, now: float) -> None:
         framer = self._framer
+        if self._dry:
+            # A write to a pty reaches us in batches (PTY_PIECE): one that follows a
+            # whole piece soon enough may be the rest of the same write. The writer can
+            # lose the CPU between two pieces, and this callback be late, on a loaded
+            # machine: a gap up to the flush delay itself still joins them.
+            if self._batch < PTY_PIECE or now - self._batch_at > FLUSH_DELAY:
+                self._burst = 0
+            self._batch, self._batch_from, self._dry = 0, framer.fed, False
+        self._batch += len(chunk)
+        self._burst += len(chunk)
+        self._batch_at = now
         held_from = framer.held_from if framer.holding else None
         self._put(framer.feed(chunk))
         if not framer.holding:
             self._flush_at = math.inf
-        elif len(chunk) >= BLOCK_WRITE and not framer.holds_frame:
+        elif (
+            self._burst >= BLOCK_WRITE
+            and not framer.holds_frame
+            and (framer.held_from != self._batch_from or self._batch >= BLOCK_WRITE)
+        ):
             # A full buffer that ended mid-line: a slow block-buffered writer (a line a
             # step, an 8 KiB flush a minute) would otherwise have a line cut in two at
             # every flush. Its end, or a prompt written after it, is shown as usual.
+            # The buffer is counted over the batches of one write (at a pty its last
+            # piece can be 2 bytes, read on their own), but a held piece that starts a
+            # batch of less than BLOCK_WRITE is a write of its own (a prompt after whole
+            # lines); one that continues a line, or follows a newline in the batch, is
+            # the buffer's tail.
             self._flush_at = math.inf
         elif framer.held_from != held_from or self._flush_at == math.inf:
             # A new piece is held: its own first byte starts its delay, not that of the
