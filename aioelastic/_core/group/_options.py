@@ -12,6 +12,7 @@ is a field here, its parser, its use, and its doc.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import inspect
@@ -192,15 +193,17 @@ class GroupOptions:
             ValueError, TypeError: a bad value, an unknown name, or a field set twice.
         """
         if options is None:
-            options = cls()
+            options = _defaults()
         elif not isinstance(options, cls):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__}")
-        by_name = {spelling(f, torch): f for f in dataclasses.fields(cls)}
+        by_name = _fields_by_name(torch)
         changes = {}
         for name, value in given.items():
             f = by_name.get(name)
             if f is None:
                 raise TypeError(f"{caller}() got an unexpected keyword argument {name!r}")
+            if value is f.default:
+                continue  # left as it is: nothing to parse, nothing to merge
             parse = f.metadata["parse"]
             if nprocs is not None and f.metadata["ranks"]:  # its ranks first, as to_map
                 values.field(name, functools.partial(parse, nprocs=nprocs), value)
@@ -214,7 +217,7 @@ class GroupOptions:
                     "as a keyword argument or in options"
                 )
             changes[f.name] = parsed
-        return dataclasses.replace(options, **changes) if changes else options
+        return options._with(changes) if changes else options
 
     def given(self, *, torch: bool = False) -> dict[str, Any]:
         """The fields not at their default, by name (torch's names with ``torch``)."""
@@ -235,7 +238,18 @@ class GroupOptions:
             if f.metadata["ranks"]:
                 parse = functools.partial(f.metadata["parse"], nprocs=nprocs)
                 changes[f.name] = values.field(f.name, parse, getattr(self, f.name))
-        return dataclasses.replace(self, **changes)
+        return self._with(changes)
+
+    def _with(self, changes: Mapping[str, Any]) -> GroupOptions:
+        """A copy with ``changes``, which are parsed already: no field is parsed again.
+
+        Not ``dataclasses.replace``, which parses every field anew: a service's burst of
+        groups makes this record twice per group within one turn of its event loop.
+        """
+        new = copy.copy(self)
+        for name, value in changes.items():
+            object.__setattr__(new, name, value)
+        return new
 
     def shows(self, local_rank: int, ranks: Mapping[int, int] | None = None) -> bool:
         """Whether the console shows local rank ``local_rank``: both filters allow it.
@@ -247,6 +261,18 @@ class GroupOptions:
         local, wanted = self.local_ranks_filter, self.ranks_filter
         global_rank = local_rank if ranks is None else ranks[local_rank]
         return (local is None or local_rank in local) and (wanted is None or global_rank in wanted)
+
+
+@functools.cache
+def _defaults() -> GroupOptions:
+    """The record of every default, parsed once (frozen, and its defaults immutable)."""
+    return GroupOptions()
+
+
+@functools.cache
+def _fields_by_name(torch: bool) -> dict[str, dataclasses.Field[Any]]:
+    """The record's fields by the name one API spells them (see `spelling`)."""
+    return {spelling(f, torch): f for f in dataclasses.fields(GroupOptions)}
 
 
 def spelling(f: dataclasses.Field[Any], torch: bool) -> str:
