@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from benchmarks.harness._run import Series
-from benchmarks.harness._spec import Measure, Metric
+from benchmarks.harness._spec import Claim, Measure, Metric
 
 
 @dataclass(frozen=True)
@@ -108,17 +108,18 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                         continue
                     lead = metric.name == (row.metric or measure.metrics[0].name)
                     for n in ns:
+                        at_least = _claimed(row.quick_min_ratio, lead, n)
+                        at_most = _claimed(row.quick_max, lead, n)
                         ours = summarise(index.get((measure.name, group.name, row.ours, n)), metric)
                         theirs = (
                             summarise(index.get((measure.name, group.name, row.theirs, n)), metric)
                             if row.theirs
                             else None
                         )
-                        claimed = lead and row.quick_max is not None
                         if (
                             ours.status == "skipped"
                             and (theirs is None or theirs.status == "skipped")
-                            and not claimed  # a claim without a number must show, and fail
+                            and at_most is None  # a claim without a number must show, and fail
                         ):
                             continue
                         value, bound = ratio(ours, theirs, metric) if theirs else (None, False)
@@ -140,19 +141,26 @@ def build_rows(measures: list[Measure], results: list[Series]) -> list[dict[str,
                                 "ratio": value if metric.ratio else None,
                                 "ratio_is_lower_bound": bound if metric.ratio else False,
                                 "headline": row.headline_n == n and lead,
-                                "quick_min_ratio": row.quick_min_ratio if lead else None,
-                                "quick_max": row.quick_max if lead else None,
+                                "quick_min_ratio": at_least.at_least() if at_least else None,
+                                "quick_max": at_most.at_most() if at_most else None,
                             }
                         )
     return rows
+
+
+def _claimed(claim: Claim | None, lead: bool, n: int) -> Claim | None:
+    """The row's claim where it applies: on its headline metric, at the claim's N."""
+    return claim if lead and claim is not None and claim.n == n else None
 
 
 def check_claims(rows: list[dict[str, Any]]) -> list[str]:
     """One line per checked row behind its claim, or whose number is missing.
 
     The claim is a ratio (``quick_min_ratio``) or, for a row without a torch side, a bound
-    on ours (``quick_max``). A row whose side did not produce a number fails too: a claim
-    that cannot be checked must not pass silently.
+    on ours (``quick_max``), each derived from the recorded run by
+    :class:`~benchmarks.harness._spec.Claim`, and checked at the claim's N. A row whose
+    side did not produce a number fails too: a claim that cannot be checked must not pass
+    silently.
     """
     failures = []
     for r in rows:

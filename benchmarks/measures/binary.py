@@ -22,7 +22,16 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
+from benchmarks.harness._spec import (
+    SECONDS,
+    Claim,
+    Group,
+    Measure,
+    Metric,
+    RepContext,
+    Row,
+    System,
+)
 from benchmarks.measures._common import (
     NAME,
     aio_core,
@@ -154,13 +163,24 @@ MEASURE = Measure(
                 ),
             ),
             rows=(
-                Row("bin, torch period=0.01", OURS, TORCH_FAST, quick_min_ratio=0.5, headline_n=8),
+                Row(
+                    "bin, torch period=0.01",
+                    OURS,
+                    TORCH_FAST,
+                    # Target: ahead of torch (quick runs at a load average of 4-7: 1.27x,
+                    # 1.43x).
+                    quick_min_ratio=Claim(8, recorded=1.96, target=1.0),
+                    headline_n=8,
+                ),
                 Row("bin, torch-defaults", OURS, TORCH_DEFAULT, headline_n=8),
                 Row(
                     "bin vs floor (target >= 0.5)",
                     OURS,
                     FLOOR,
-                    quick_min_ratio=0.25,
+                    # Under load the floor, a bare posix_spawn loop, loses less than our
+                    # supervisor and its watchdog: quick runs at a load average of 4-7 gave
+                    # 0.38 and 0.43, below the recorded 0.60 / 1.5.
+                    quick_min_ratio=Claim(8, recorded=0.602, target=0.5, loaded=0.3),
                     headline_n=256,
                 ),
             ),
@@ -187,7 +207,10 @@ MEASURE = Measure(
                     "bin tee=3 both, torch period=0.01",
                     OURS_TEE,
                     TORCH_TEE,
-                    quick_min_ratio=2.0,
+                    # No target. Ours, 8 short workers whose output is tee'd, is what a
+                    # loaded machine slows most (torch's side is its 0.1 s polling): quick
+                    # runs at a load average of 4-7 gave 5.1x and 10.0x.
+                    quick_min_ratio=Claim(8, recorded=27.8, loaded=3.0),
                     headline_n=256,
                 ),
             ),

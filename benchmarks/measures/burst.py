@@ -27,7 +27,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, RepContext, Row, System
+from benchmarks.harness._spec import (
+    SECONDS,
+    Claim,
+    Group,
+    Measure,
+    Metric,
+    RepContext,
+    Row,
+    System,
+)
 from benchmarks.programs import _fn_light
 from benchmarks.programs._clock import seconds
 
@@ -197,10 +206,12 @@ def _group(
     impl: str,
     case: str,
     ns: tuple[int, ...],
-    quick_ns: tuple[int, ...],
+    quick_n: int,
+    recorded: float,
     *,
     group_size: int = 2,
     target: float = 0.020,
+    loaded: float | None = None,
     headline_n: int | None = None,
     warm: bool = True,
 ) -> Group:
@@ -208,9 +219,13 @@ def _group(
 
     The wall-clock lateness is the target's measure, shown in the recorded run. ``--quick``
     checks the lateness the loop's thread caused itself (its work and the system calls it
-    blocked in, without its waits for a core) against the target, with a margin for
-    Python's full collections: on a shared CI machine the wall clock also counts the
-    moments the thread waited for a core behind the workers just started.
+    blocked in, without its waits for a core): on a shared CI machine the wall clock also
+    counts the moments the thread waited for a core behind the workers just started. It
+    checks the median of 3 at ``quick_n``, where the recorded run's figure is ``recorded``
+    (see :class:`~benchmarks.harness._spec.Claim`): every recorded figure here is within
+    the target with the allowance, so the bound is the target, or ``loaded`` where a
+    loaded machine does not hold the target. Its blocking calls (pipes, files, the
+    watchdog's replies) and its imports take longer there, not only its waits for a core.
     """
     return Group(
         name=name,
@@ -227,12 +242,13 @@ def _group(
                 label,
                 metric="loop_held",
                 metrics=("loop_held",),
-                quick_max=target + 0.015,
+                quick_max=Claim(quick_n, recorded=recorded, target=target, loaded=loaded),
             ),
         ),
         ns=ns,
-        quick_ns=quick_ns,
+        quick_ns=(quick_n,),
         default_reps=5,
+        quick_reps=3,
         params={"group_size": group_size},
         warmup=warm,
         quick_warmup=warm,
@@ -252,7 +268,7 @@ MEASURE = Measure(
         "< 60 ms for the first start in a fresh one); loop_held: the same without the "
         "moments the loop's thread waited for a core (its run delay, from "
         "/proc/thread-self/schedstat): its own work and the system calls it blocked in "
-        "(what `--quick` checks, with 15 ms for Python's full collections). seconds: the "
+        "(what `--quick` checks). seconds: the "
         "whole burst. torch has no "
         "equivalent: its API blocks the caller."
     ),
@@ -263,7 +279,9 @@ MEASURE = Measure(
             "aio_binaries",
             "K groups of 2 /bin/sh at once",
             (1, 8, 16, 64),
-            (64,),
+            64,
+            0.0115,
+            loaded=0.040,  # single quick runs at a load average of 4-7: 21.9, 32.5 ms
             headline_n=64,
         ),
         _group(
@@ -272,7 +290,9 @@ MEASURE = Measure(
             "aio_streamed",
             "K groups streaming output() at once",
             (64,),
-            (16,),
+            64,
+            0.0115,
+            loaded=0.055,  # single quick runs at a load average of 4-7: 41.8, 36.4 ms
         ),
         _group(
             "functions",
@@ -280,8 +300,9 @@ MEASURE = Measure(
             "aio_functions",
             "K groups of 8 fork-server functions",
             (16,),
-            (4,),
-            group_size=8,
+            16,
+            0.0069,
+            group_size=8,  # single quick runs at a load average of 4-7: 9.5, 13.6 ms
         ),
         _group(
             "first",
@@ -289,8 +310,10 @@ MEASURE = Measure(
             "aio_first_start",
             "first start in a fresh process",
             (1,),
-            (1,),
+            1,
+            0.0367,
             target=0.060,
+            loaded=0.090,  # single quick runs at a load average of 4-7: 71.9, 71.8 ms
             headline_n=1,
             warm=False,
         ),

@@ -57,6 +57,7 @@ from pathlib import Path
 
 from aioelastic._core.process._platform import proc_stat
 from benchmarks.harness._spec import (
+    Claim,
     Group,
     Measure,
     Metric,
@@ -385,7 +386,10 @@ def _group(case: str, title: str, *, quick: bool) -> Group:
                 title,
                 "aioelastic-run",
                 TORCHRUN,
-                quick_min_ratio=1.0 if quick else None,
+                # Recorded: a lower bound set by the full run's 60 s cap (torchrun's
+                # launchers never ended); under --quick's 10 s cap the same outcome is a
+                # ratio of about 5. What is claimed is the outcome: >= 1, ours ended first.
+                quick_min_ratio=Claim(2, recorded=None, target=1.0) if quick else None,
                 metrics=("seconds", "stopped"),
             ),
         ),

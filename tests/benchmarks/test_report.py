@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from benchmarks.harness._cli import RESULTS as RECORDED
 from benchmarks.harness._report import build_rows, check_claims, render_table, summarise
 from benchmarks.harness._run import Series
-from benchmarks.harness._spec import SECONDS, Group, Measure, Metric, Row, System
+from benchmarks.harness._spec import (
+    ALLOWANCE,
+    SECONDS,
+    Claim,
+    Group,
+    Measure,
+    Metric,
+    Row,
+    System,
+)
+from benchmarks.measures import all_measures
 
 # Moved from the suite's torch-marked test module as they were.
 pytestmark = pytest.mark.torch
@@ -83,7 +96,7 @@ def _claim_measure(floor: float) -> Measure:
             Group(
                 name="g",
                 systems=(System("ours", "aioelastic", "x:y"), System("theirs", "torch", "x:y")),
-                rows=(Row("case", "ours", "theirs", quick_min_ratio=floor),),
+                rows=(Row("case", "ours", "theirs", quick_min_ratio=Claim(4, None, floor)),),
                 ns=(4,),
             ),
         ),
@@ -120,7 +133,7 @@ def test_check_claims_fails_a_row_over_its_bound_and_one_without_a_number() -> N
             Group(
                 name="g",
                 systems=(System("ours", "aioelastic", "x:y"),),
-                rows=(Row("case", "ours", quick_max=0.020),),
+                rows=(Row("case", "ours", quick_max=Claim(4, None, 0.020)),),
                 ns=(4,),
             ),
         ),
@@ -131,6 +144,70 @@ def test_check_claims_fails_a_row_over_its_bound_and_one_without_a_number() -> N
     assert check_claims(over) == ["m: case N=4 (ours): 25.0 > 20 ms"]
     missing = build_rows([measure], [_series("ours", [])])
     assert check_claims(missing) == ["m: case N=4 (ours): no number, needs <= 20 ms"]
+
+
+def test_a_claim_is_the_recorded_figure_with_its_allowance_or_the_target_if_looser() -> None:
+    assert ALLOWANCE == 1.5
+    # A ratio: recorded / 1.5, unless the target is lower.
+    assert Claim(8, recorded=1.2, target=1.0).at_least() == pytest.approx(0.8)
+    assert Claim(8, recorded=3.0, target=1.0).at_least() == 1.0
+    assert Claim(8, recorded=3.0).at_least() == 2.0
+    assert Claim(8, recorded=3.0, target=2.5, loaded=1.5).at_least() == 1.5
+    # A bound on ours: recorded x 1.5, unless the target is higher.
+    assert Claim(1, recorded=0.010, target=0.020).at_most() == 0.020
+    assert Claim(1, recorded=0.030, target=0.020).at_most() == pytest.approx(0.045)
+    assert Claim(1, recorded=None, target=0.020).at_most() == 0.020
+    with pytest.raises(ValueError, match="N=1 needs a recorded figure or a target"):
+        Claim(1, recorded=None)
+
+
+def test_a_claim_is_checked_at_its_n_only() -> None:
+    results = [
+        _series(system, [value], n=n)
+        for n in (4, 8)
+        for system, value in (("ours", 1.0), ("theirs", 0.5))
+    ]
+    rows = build_rows([_claim_measure(0.7)], results)
+    assert [(r["n"], r["quick_min_ratio"]) for r in rows if r["metric"] == "seconds"] == [
+        (4, 0.7),
+        (8, None),
+    ]
+    assert check_claims(rows) == ["m: case N=4 (ours vs theirs): ratio 0.50 < 0.7"]
+
+
+def _recorded_rows() -> list[dict[str, Any]]:
+    """The rows of the recorded run, built from its samples by today's measures."""
+    document = json.loads(RECORDED.read_text())
+    return build_rows(all_measures(), [Series(**entry) for entry in document["series"]])
+
+
+def test_every_claim_states_the_recorded_figure_at_an_n_quick_runs() -> None:
+    # A claim derives from the recorded run: a run recorded again must restate them.
+    recorded = {
+        (r["measure"], r["group"], r["case"], r["n"], r["metric"]): r for r in _recorded_rows()
+    }
+    seen = 0
+    for measure in all_measures():
+        for group in measure.groups:
+            for row in group.rows:
+                metric = row.metric or measure.metrics[0].name
+                for claim, figure in ((row.quick_min_ratio, "ratio"), (row.quick_max, "ours")):
+                    if claim is None:
+                        continue
+                    seen += 1
+                    where = f"{measure.name}/{group.name}: {row.case} N={claim.n}"
+                    assert claim.n in group.quick_ns, where
+                    assert claim.n in group.ns, where
+                    if claim.recorded is None:
+                        continue
+                    line = recorded[(measure.name, group.name, row.case, claim.n, metric)]
+                    value = line["ratio"] if figure == "ratio" else line["ours"]["median"]
+                    assert claim.recorded == pytest.approx(value, rel=0.005), where
+    assert seen == 12
+
+
+def test_the_recorded_run_passes_its_own_claims() -> None:
+    assert check_claims(_recorded_rows()) == []
 
 
 def test_write_readme_refuses_a_file_without_markers(tmp_path: Path) -> None:
@@ -154,7 +231,12 @@ def test_a_row_can_carry_its_headline_and_claim_on_a_later_metric() -> None:
                 systems=(System("ours", "aioelastic", "x:y"), System("theirs", "torch", "x:y")),
                 rows=(
                     Row(
-                        "case", "ours", "theirs", quick_min_ratio=3.0, headline_n=4, metric="other"
+                        "case",
+                        "ours",
+                        "theirs",
+                        quick_min_ratio=Claim(4, None, 3.0),
+                        headline_n=4,
+                        metric="other",
                     ),
                 ),
                 ns=(4,),
