@@ -7,6 +7,7 @@ multi-node tests (``tests/elastic/channel/``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -137,6 +138,56 @@ def job(tmp_path: Path, nodes: int, **kwargs: str) -> Iterator[Job]:
 
 def ended_within(ends: list[tuple[int, float]], since: float) -> list[float]:
     return [round(seen - since, 2) for _, seen in ends]
+
+
+def _tcp_rows() -> Iterator[tuple[int, int, int, int]]:
+    """``(local port, remote port, unread bytes, inode)`` of every TCP socket (IPv4, IPv6)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                local, remote = (int(a.rsplit(":", 1)[1], 16) for a in fields[1:3])
+                yield local, remote, int(fields[4].split(":")[1], 16), int(fields[9])
+
+
+def request_unread(port: int, pid: int) -> bool:
+    """Whether a request of process ``pid``'s sits unread at the server on ``port``: the
+    server's end of a connection from one of ``pid``'s sockets holds bytes not read yet.
+
+    With the server stopped, that is a call of ``pid``'s in flight, waiting for it. (Every
+    node connects from 127.0.0.1 here: a connection is told by its client's port.)
+    """
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                inodes.add(int(target[8:-1]))
+    rows = list(_tcp_rows())
+    clients = {local for local, remote, _, inode in rows if remote == port and inode in inodes}
+    return any(local == port and remote in clients and unread for local, remote, unread, _ in rows)
+
+
+def wait_unread(port: int, pid: int, timeout: float) -> None:
+    """Wait until `request_unread` (the kernel's tables read every 10 ms: nothing else tells)."""
+    deadline = time.monotonic() + timeout
+    while not request_unread(port, pid):
+        assert time.monotonic() < deadline, f"no request of pid {pid} waits at port {port}"
+        time.sleep(0.01)
+
+
+def c10d_remedy(running: Job) -> str:
+    return (
+        f"the c10d store at {running.endpoint} gave no answer for {{lasted}} s; it lives in "
+        "the launcher of the node at 127.0.0.1, a single point of failure: --rdzv-backend "
+        "etcd-v2 keeps the store in a replicated etcd cluster instead"
+    )
+
+
+def lasted_pattern(message: str) -> re.Pattern[str]:
+    """``message`` with ``{lasted}`` standing for a duration (``10.0``)."""
+    head, tail = message.split("{lasted}")
+    return re.compile(re.escape(head) + r"(\d+\.\d)" + re.escape(tail))
 
 
 @contextmanager

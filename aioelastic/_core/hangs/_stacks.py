@@ -23,6 +23,7 @@ from pathlib import Path
 import anyio
 
 from ..child._stack_hook import STACK_SIGNAL, STACKS_FIFO_ENV
+from ..process._platform import proc_stat
 from ._fifo import OwnedFifo
 
 #: Quiet time after which a started dump is taken as complete.
@@ -192,7 +193,13 @@ def _without_hook_frames(dump: str) -> str:
 
 
 def no_stack(pid: int, timeout: float) -> str:
-    """What is shown for a worker that gave no stack."""
+    """What is shown for a worker that gave no stack (a stopped one said to be stopped)."""
+    stat = proc_stat(pid, 1)
+    if stat is not None and stat[0] in (b"T", b"t"):
+        return (
+            f"(no Python stack: pid {pid} is stopped (SIGSTOP, or a debugger holds it) and did "
+            f"not answer {STACK_SIGNAL.name} within {timeout:g}s)\n"
+        )
     return (
         f"(no Python stack: pid {pid} did not answer {STACK_SIGNAL.name} within {timeout:g}s; "
         "it is not a Python process started by aioelastic, it replaced the handler, or it "

@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import datetime
 import logging
+import time
 
 from ..observe._events import EndReason
 from ..store._worker_store import Store
@@ -52,6 +53,11 @@ class EndTickets:
         self._ended: AttemptEnd | None = None
         # Whether this node took ticket 1 or counted itself among those that heard.
         self._told = False
+        #: Seconds a reader waits for a ticket's end that is not written yet: less than
+        #: the beat's bound (a beat reads the ends), and a writer takes a round trip.
+        self.missing_after = min(dead_after, link.store_lost_after / 2)
+        # The tickets whose end did not come within missing_after: never waited for again.
+        self._given_up: set[int] = set()
 
     @property
     def ended(self) -> AttemptEnd | None:
@@ -62,8 +68,11 @@ class EndTickets:
         """Blocking: whether any node took a ticket."""
         return int(self._link.store.add(self._link.key("ends"), 0)) > 0
 
-    def take(self, end: AttemptEnd) -> AttemptEnd:
-        """Blocking: take the next ticket for ``end``; the root cause (ticket 1's end)."""
+    def take(self, end: AttemptEnd, missing_after: float | None = None) -> AttemptEnd:
+        """Blocking: take the next ticket for ``end``; the root cause (ticket 1's end).
+
+        ``missing_after``: how long an earlier ticket's end is waited for (`root_cause`).
+        """
         store, key = self._link.store, self._link.key
         ticket = store.add(key("ends"), 1)
         if ticket == 1 and end.counts and self._restarts is not None:
@@ -74,19 +83,27 @@ class EndTickets:
         if ticket == 1:
             self._told = True
             return end
-        return self.root_cause()
+        return self.root_cause(missing_after) or end
 
-    def root_cause(self) -> AttemptEnd:
+    def root_cause(self, missing_after: float | None = None) -> AttemptEnd | None:
         """Blocking: ticket 1's end; final if any node's end is (an exit code never retried).
 
-        Each ticket's writer sets its key right after taking the ticket: get() waits out
-        the moment in between.
+        Each ticket's writer sets its key right after taking the ticket, and the readers
+        wait out the moment in between, but for ``missing_after`` seconds in all (default:
+        `missing_after`), not for the store's own read timeout (60 s for ``c10d``): a
+        node killed in between never writes it. A ticket given up on is not waited for
+        again. None while no ticket's end is written.
         """
         store, key = self._link.store, self._link.key
-        tickets = store.add(key("ends"), 0)
-        ends = [AttemptEnd.from_json(store.get(key(f"end/{t}"))) for t in range(1, tickets + 1)]
-        root = ends[0]
-        if not root.final and any(end.final for end in ends):
+        tickets = int(store.add(key("ends"), 0))
+        ends = self._read_ends(
+            tickets, self.missing_after if missing_after is None else missing_after
+        )
+        written = [end for end in ends if end is not None]
+        if not written:
+            return None
+        root = ends[0] if ends[0] is not None else _stand_in(written, self._given_up)
+        if not root.final and any(end.final for end in written):
             root = dataclasses.replace(root, final=True)
         if not self._told:
             # This node has heard; the last to hear frees whoever lingers (see linger).
@@ -95,30 +112,76 @@ class EndTickets:
                 store.set(key("all_heard"), "1")
         return root
 
+    def _read_ends(self, tickets: int, missing_after: float) -> list[AttemptEnd | None]:
+        """Blocking: each ticket's end, None for one not written within ``missing_after``
+        seconds from now (or given up on before)."""
+        store, key = self._link.store, self._link.key
+        deadline = time.monotonic() + missing_after
+        ends: list[AttemptEnd | None] = []
+        for ticket in range(1, tickets + 1):
+            name = key(f"end/{ticket}")
+            if not store.check([name]) and not self._came(ticket, name, deadline, missing_after):
+                ends.append(None)
+                continue
+            ends.append(AttemptEnd.from_json(store.get(name)))
+        return ends
+
+    def _came(self, ticket: int, name: str, deadline: float, missing_after: float) -> bool:
+        """Blocking: whether the missing ``name`` (ticket ``ticket``'s end) came by
+        ``deadline``; a store that fails meanwhile raises, as any call of it does."""
+        if ticket in self._given_up:
+            return False
+        left = max(deadline - time.monotonic(), 0.01)
+        try:
+            self._link.store.wait([name], datetime.timedelta(seconds=left))
+        except Exception:
+            # A wait that timed out and a store that failed raise alike (torch raises
+            # DistStoreError for both): check() tells them apart, raising for the second.
+            if self._link.store.check([name]):
+                return True
+            self._given_up.add(ticket)
+            logger.warning(
+                "end ticket %d has no end within %g s: the node that took it must have "
+                "been killed, or its launcher stopped, before writing why",
+                ticket,
+                missing_after,
+            )
+            return False
+        return True
+
     async def end(self, end: AttemptEnd, timeout: float | None = None) -> AttemptEnd:
         """Tell every node that this one ends the attempt; the root cause of the end.
 
         The root cause is ``end`` itself unless another node ended the attempt first.
         Bounded by ``timeout`` (default: the link's ``store_lost_after``): a store that
-        does not answer leaves ``end`` as the root cause, logged.
+        does not answer or fails leaves ``end`` as the root cause, logged with the store
+        named.
         """
         if self._ended is not None:
             return self._ended
         bound = timeout or self._link.store_lost_after
+        # An earlier ticket's end is waited for within the call's bound.
+        missing_after = min(self.missing_after, bound / 2)
+        logger.info("telling the other nodes why this node ends: %s", end.describe())
         try:
-            self._ended = await self._link.call(lambda: self.take(end), bound)
+            self._ended = await self._link.call(lambda: self.take(end, missing_after), bound)
         except Exception as e:
-            why = f"the store gave no answer in {bound:g} s" if isinstance(e, TimeoutError) else e
-            logger.warning("could not tell the other nodes why this node ended: %s", why)
+            logger.warning(
+                "could not tell the other nodes why this node ended: %s",
+                self._link.site.failure(e, bound),
+            )
             self._ended = end
         return self._ended
 
     async def cause(self, known: AttemptEnd) -> AttemptEnd:
         """The attempt's root cause read afresh (every end so far), else ``known``."""
         try:
-            return await self._link.call(self.root_cause)
+            return await self._link.call(self.root_cause) or known
         except Exception as e:
-            logger.warning("could not read why the other nodes ended: %s", e)
+            logger.warning(
+                "could not read why the other nodes ended: %s",
+                self._link.site.failure(e, self._link.store_lost_after),
+            )
             return known
 
     async def linger(self, cause: AttemptEnd, timeout: float | None = None) -> None:
@@ -161,6 +224,21 @@ class EndTickets:
                 )
                 return f"{heard} of {hearers} did"
         return f"of {hearers}, how many did is not known: the store gave no answer"
+
+
+def _stand_in(written: list[AttemptEnd], given_up: set[int]) -> AttemptEnd:
+    """The root cause when ticket 1's end never came: its taker was killed (or stopped)
+    between taking the ticket and writing why, so its watcher finds it vanished and
+    writes that under a later ticket; the first such end, else the first end written."""
+    vanished = [end for end in written if end.reason is EndReason.VANISHED]
+    root = (vanished or written)[0]
+    logger.warning(
+        "why the attempt ended first is not known (end ticket(s) %s have no end); "
+        "reporting the next end written: %s",
+        ",".join(map(str, sorted(given_up))),
+        root.describe(),
+    )
+    return root
 
 
 def _hearers(nodes: int, cause: AttemptEnd) -> int:

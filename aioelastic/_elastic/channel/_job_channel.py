@@ -32,6 +32,7 @@ import logging
 import time
 
 import anyio
+from anyio.abc import TaskGroup
 
 from ..store._worker_store import Store
 from ._attempt_end import AttemptEnd
@@ -150,12 +151,21 @@ class JobChannel:
     async def watch(self, capture: Capture | None = None) -> AttemptEnd:
         """Beat until another node ends the attempt or one is lost; why (the root cause).
 
-        Meanwhile answers the other nodes' requests for stacks with ``capture()``. Never
-        returns for a node alone in its round. A store that stays silent or failing for
-        ``store_lost_after`` seconds is an end too (`EndReason.STORE_LOST`).
+        Meanwhile answers the other nodes' requests for stacks with ``capture()``, beside
+        the beats: a capture that takes seconds (a rank that cannot answer) must not make
+        this node look vanished to its watcher. Never returns for a node alone in its
+        round. A store that stays silent or failing for ``store_lost_after`` seconds is an
+        end too (`EndReason.STORE_LOST`).
         """
         if self.nodes == 1:
             await anyio.sleep_forever()  # a node alone: nobody to hear from
+        async with anyio.create_task_group() as answers:
+            end = await self._beats(capture, answers)
+            answers.cancel_scope.cancel()
+        return end
+
+    async def _beats(self, capture: Capture | None, answers: TaskGroup) -> AttemptEnd:
+        """`watch`'s loop; the stack requests' answers are started in ``answers``."""
         outage = Outage(self._link, self.failing_lost_after)
         while True:
             await anyio.sleep(self.beat)
@@ -172,7 +182,7 @@ class JobChannel:
                 continue
             outage.answered()
             if isinstance(end, int):
-                await self._stacks.answer(end, capture)
+                answers.start_soon(self._stacks.answer, end, capture)
             elif end is not None:
                 return end
 
@@ -182,8 +192,11 @@ class JobChannel:
         self._ring.beat()
         news = self._link.news()
         if news != self._news:
-            if self._tickets.taken():
-                return self._tickets.root_cause()
+            # None while no ticket's end is written (its taker died in between): the
+            # watcher of that node tells why soon, under a ticket of its own.
+            cause = self._tickets.root_cause() if self._tickets.taken() else None
+            if cause is not None:
+                return cause
             request = self._stacks.next_request()
             if request is not None:
                 return request  # news is read again next beat: more may wait

@@ -82,11 +82,14 @@ class JobStacks:
         stacks: one per rank that answered.
         missing: the nodes that did not answer in time (``"node 2 (10.0.0.3)"``).
         asked_by: the node that asked (``"node 0 (10.0.0.1)"``).
+        note: why the report is short, when it is (``"the c10d store at ... failed
+            (...): the other nodes could not be asked"``).
     """
 
     stacks: tuple[RankStack, ...]
     missing: tuple[str, ...] = ()
     asked_by: str = ""
+    note: str = ""
 
     def groups(self) -> list[list[RankStack]]:
         """Ranks whose first thread has the same frames, the smallest groups first."""
@@ -101,6 +104,7 @@ class JobStacks:
         nodes = {stack.node for stack in self.stacks}
         head = f"stacks of {_count(len(self.stacks), 'rank')} on {_count(len(nodes), 'node')}"
         lines = [head + (f", asked by {self.asked_by}" if self.asked_by else "")]
+        lines += [self.note] if self.note else []
         lines += [f"{missing}: no answer" for missing in self.missing]
         for group in self.groups():
             first = group[0]

@@ -59,14 +59,33 @@ class StackGathering:
         return None
 
     async def answer(self, request: int, capture: Capture | None) -> None:
-        """Answer ``request`` with this node's stacks (none when ``capture`` is None)."""
-        stacks = await _captured(capture) if capture is not None else []
-        await self._link.call(lambda: self._answer(request, stacks))
+        """Answer ``request`` with this node's stacks (none when ``capture`` is None).
 
-    def _answer(self, request: int, stacks: list[tuple[int, int, str]]) -> None:
+        A capture that fails or takes over `STACKS_TIMEOUT` is answered as such: the asker
+        names this node as not answering. A store that fails meanwhile is logged: the
+        beats judge the store.
+        """
+        stacks = await _captured(capture) if capture is not None else []
+        try:
+            await self._link.call(lambda: self._answer(request, stacks))
+        except Exception as e:
+            logger.warning(
+                "could not answer stack request %d: %s",
+                request,
+                self._link.site.failure(e, self._link.store_lost_after),
+            )
+
+    def _answer(self, request: int, stacks: list[tuple[int, int, str]] | None) -> None:
         link = self._link
         self._answered.add(request)
-        answer = {"node": link.node, "host": link.host, "ranks": stacks}
+        # "captured": False for a capture that gave nothing in time; a reader of an older
+        # version sees no ranks, as it did before.
+        answer = {
+            "node": link.node,
+            "host": link.host,
+            "ranks": stacks or [],
+            "captured": stacks is not None,
+        }
         link.store.set(link.key(f"stacks/{request}/node/{link.node}"), json.dumps(answer))
         if link.store.add(link.key(f"stacks/{request}/answers"), 1) >= link.nodes:
             link.store.set(link.key(f"stacks/{request}/done"), "1")
@@ -77,7 +96,8 @@ class StackGathering:
         Asks every node (each answers on its next beat with ``capture()`` of its own),
         answers for this one, and waits up to ``timeout`` seconds for the others (less if
         the attempt ends meanwhile: see `AttemptLink.close`); a node that does not answer
-        in time is named in the report.
+        in time is named in the report. A store that fails or stays silent (each call
+        bounded by ``store_lost_after``) gives this node's own stacks, the store named.
         """
 
         def ask() -> int:
@@ -88,11 +108,33 @@ class StackGathering:
             return request
 
         with self._link.held():
-            request = await self._link.call(ask)
+            logger.info("asking every node for its ranks' stacks")
+            try:
+                request = await self._link.call(ask)
+            except Exception as e:
+                return self._without_store(await _captured(capture), e)
             own = await _captured(capture)
-            await self._link.call(lambda: self._answer(request, own))
-            await self._wait_for_answers(request, timeout)
-            return await self._link.call(partial(self._collect, request))
+            try:
+                await self._link.call(lambda: self._answer(request, own))
+                await self._wait_for_answers(request, timeout)
+                return await self._link.call(partial(self._collect, request))
+            except Exception as e:
+                return self._without_store(own, e)
+
+    def _without_store(self, own: list[tuple[int, int, str]] | None, error: Exception) -> JobStacks:
+        """The report when the store failed mid-gather: this node's stacks, the others
+        named as not answering, and why."""
+        link = self._link
+        failure = link.site.failure(error, link.store_lost_after)
+        logger.warning("could not gather the other nodes' stacks: %s", failure)
+        return JobStacks(
+            tuple(
+                RankStack(rank, link.node, link.host, pid, text) for rank, pid, text in own or []
+            ),
+            tuple(f"node {node}" for node in range(link.nodes) if node != link.node),
+            f"node {link.node} ({link.host})",
+            note=f"{failure}: the other nodes could not be asked",
+        )
 
     async def _wait_for_answers(self, request: int, timeout: float) -> None:
         done = self._link.key(f"stacks/{request}/done")
@@ -101,7 +143,9 @@ class StackGathering:
             try:
                 self._link.store.wait([done], datetime.timedelta(seconds=seconds))
             except Exception:
-                return False  # not yet (or the store failed: the answers tell below)
+                # Not yet, or the store failed (torch raises DistStoreError for both):
+                # check() tells them apart, raising for a store that fails.
+                return bool(self._link.store.check([done]))
             return True
 
         # A beat's worth of waiting at a time: this node's beats run on the same thread in
@@ -123,10 +167,10 @@ class StackGathering:
         missing: list[str] = []
         for node in range(link.nodes):
             key = link.key(f"stacks/{request}/node/{node}")
-            if not link.store.check([key]):
+            answer = json.loads(link.store.get(key)) if link.store.check([key]) else None
+            if answer is None or not answer.get("captured", True):
                 missing.append(f"node {node} ({link.published_host(node) or '?'})")
                 continue
-            answer = json.loads(link.store.get(key))
             stacks += [
                 RankStack(rank, answer["node"], answer["host"], pid, text)
                 for rank, pid, text in answer["ranks"]
@@ -134,11 +178,12 @@ class StackGathering:
         return JobStacks(tuple(stacks), tuple(missing), f"node {link.node} ({link.host})")
 
 
-async def _captured(capture: Capture) -> list[tuple[int, int, str]]:
-    """``capture()``, or nothing when it fails or takes over `STACKS_TIMEOUT` (logged)."""
+async def _captured(capture: Capture) -> list[tuple[int, int, str]] | None:
+    """``capture()``, or None when it fails or takes over `STACKS_TIMEOUT` (logged)."""
     try:
         with anyio.fail_after(STACKS_TIMEOUT):
             return await capture()
     except Exception as e:
-        logger.warning("could not capture this node's stacks: %s", e)
-        return []
+        why = f"it took over {STACKS_TIMEOUT:g} s" if isinstance(e, TimeoutError) else e
+        logger.warning("could not capture this node's stacks: %s", why)
+        return None

@@ -41,6 +41,16 @@ class StoreSite:
             return f"the {self.backend} store (the etcd cluster{at})"
         return f"the {self.backend} store{at}"
 
+    def failure(self, error: BaseException, waited: float) -> str:
+        """How a call that raised ``error`` after ``waited`` seconds is told: ``"the c10d
+        store at 10.0.0.1:29400 gave no answer in 2 s"``, ``"the c10d store at ... failed
+        (DistNetworkError: Connection reset by peer)"`` (the first line of its message)."""
+        if isinstance(error, TimeoutError):
+            return f"{self.name()} gave no answer in {waited:g} s"
+        lines = str(error).strip().splitlines()
+        said = f": {lines[0]}" if lines else ""
+        return f"{self.name()} failed ({type(error).__name__}{said})"
+
     def remedy(self) -> str:
         """Where the store lives and what to do about losing it."""
         if self.replicated:

@@ -291,8 +291,9 @@ class Rendezvous:
         """`next_rendezvous` on the handler's thread: the round, the ranks, the channel."""
         from torch.distributed.elastic.rendezvous import RendezvousGracefulExitError
 
+        logger.info("rendezvous %r: joining the next round", self.run_id)
         try:
-            with connection_errors_explained(), self._reforming():
+            with self._store_named(), self._reforming():
                 info = self.handler.next_rendezvous()
         except RendezvousGracefulExitError as e:
             logger.info("rendezvous %r: this node is not needed (%s)", self.run_id, e)
@@ -324,6 +325,23 @@ class Rendezvous:
             restart_count=restart_count,
             channel=self._channel(info, restart_count, restarts),
         )
+
+    @contextlib.contextmanager
+    def _store_named(self) -> Iterator[None]:
+        """torch's RendezvousConnectionError of a join, with the store named, why it failed
+        and the remedy (torch says only "see inner exception for details", and the launcher
+        shows one line)."""
+        from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+        try:
+            yield
+        except RendezvousConnectionError as e:
+            inner = e.__cause__ or e.__context__ or e
+            store = getattr(self.handler, "_store", None)  # torch's handler: the round's store
+            site = StoreSite(self.backend, _store_address(store))
+            raise RendezvousConnectionError(
+                f"{site.failure(inner, 0)} during the rendezvous; {site.remedy()}"
+            ) from inner
 
     def _workers_store(
         self, info: Any, master_addr: str | None, master_port: int | None

@@ -9,8 +9,8 @@ are in ``tests/elastic/channel/test_multinode.py``.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 import pytest
@@ -19,41 +19,17 @@ from aioelastic._core.reports._failures import ProcessFailure
 from aioelastic._elastic.channel._attempt_end import AttemptEnd, end_of_failure
 from aioelastic._elastic.channel._job_channel import JobChannel
 from aioelastic._elastic.observe._events import EndReason
+from tests.elastic.channel.memory_channels import (
+    ALLOWANCE,
+    BEAT,
+    RESTARTS,
+    SCOPE,
+    channels,
+    stacks_of,
+)
 from tests.elastic.channel.memory_store import MemoryStore
 
 pytestmark = pytest.mark.timeout(30)
-
-SCOPE = "aioelastic/attempt0"
-RESTARTS = "aioelastic/restarts"
-BEAT = 0.05
-#: What a bound allows beyond the mechanism's own time: a thread hop and a few beats on a
-#: loaded machine.
-ALLOWANCE = 2.0
-
-
-@contextmanager
-def channels(
-    store: MemoryStore, nodes: int, *, dead_after: float = 5.0
-) -> Iterator[list[JobChannel]]:
-    """One channel per node of a round, node ``i`` at host ``h{i}``; closed after."""
-    made = [
-        JobChannel(
-            store,
-            SCOPE,
-            node=node,
-            nodes=nodes,
-            host=f"h{node}",
-            restarts=(store, RESTARTS),
-            beat=BEAT,
-            dead_after=dead_after,
-        )
-        for node in range(nodes)
-    ]
-    try:
-        yield made
-    finally:
-        for channel in made:
-            channel.close()
 
 
 def failure_end(node: int, rank: int, *, final: bool = False) -> AttemptEnd:
@@ -76,15 +52,6 @@ async def watching(*watchers: JobChannel) -> AsyncIterator[dict[int, AttemptEnd]
             tg.start_soon(watch, channel)
         yield heard
         tg.cancel_scope.cancel()
-
-
-def stacks_of(node: int) -> Callable[[], Awaitable[list[tuple[int, int, str]]]]:
-    """A node's stack capture: its one rank (``10 * node``), a recognisable text."""
-
-    async def capture() -> list[tuple[int, int, str]]:
-        return [(10 * node, 100 + node, f"stack of node {node}")]
-
-    return capture
 
 
 async def until(condition: Callable[[], bool], within: float) -> None:

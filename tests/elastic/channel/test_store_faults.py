@@ -22,7 +22,7 @@ import pytest
 from aioelastic._elastic.channel._job_channel import BEAT
 from aioelastic._elastic.channel._link import STORE_LOST_AFTER
 from aioelastic._elastic.channel._liveness import DEAD_AFTER
-from tests.support.multinode import Job, job, stopped
+from tests.support.multinode import c10d_remedy, job, lasted_pattern, stopped
 from tests.support.waits import wait_all_gone
 
 pytestmark = pytest.mark.torch
@@ -38,20 +38,6 @@ ALLOWANCE = 8.0
 INTERRUPTED_BOUND = 2.0
 #: The interruption's allowance: up to 3.2 s measured in all, so a bound of 2 x 3.2 s.
 INTERRUPTED_ALLOWANCE = 4.5
-
-
-def c10d_remedy(running: Job) -> str:
-    return (
-        f"the c10d store at {running.endpoint} gave no answer for {{lasted}} s; it lives in "
-        "the launcher of the node at 127.0.0.1, a single point of failure: --rdzv-backend "
-        "etcd-v2 keeps the store in a replicated etcd cluster instead"
-    )
-
-
-def lasted_pattern(message: str) -> re.Pattern[str]:
-    """``message`` with ``{lasted}`` standing for a duration (``10.0``)."""
-    head, tail = message.split("{lasted}")
-    return re.compile(re.escape(head) + r"(\d+\.\d)" + re.escape(tail))
 
 
 @pytest.mark.slow
@@ -176,8 +162,8 @@ def test_a_launcher_leaves_at_once_with_a_store_call_still_blocked(tmp_path: Pat
     assert (code, host_code) == (128 + signal.SIGTERM, 128 + signal.SIGTERM), stderr
     said = stderr[1]
     assert (
-        "could not tell the other nodes why this node ended: the store gave no answer in 2 s"
-        in said
+        "could not tell the other nodes why this node ended: the c10d store at "
+        f"{running.endpoint} gave no answer in 2 s" in said
     ), said
     assert "not waiting for the other nodes to hear why: the store gave no answer" in said
     assert "aioelastic-run: stopped by SIGTERM" in said
