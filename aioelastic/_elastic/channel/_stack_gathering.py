@@ -175,7 +175,11 @@ class StackGathering:
                 RankStack(rank, answer["node"], answer["host"], pid, text)
                 for rank, pid, text in answer["ranks"]
             ]
-        return JobStacks(tuple(stacks), tuple(missing), f"node {link.node} ({link.host})")
+        # Said, not only done: a report cut short by the attempt's end (a silent node found
+        # vanished) reads apart from one whose nodes let the whole timeout pass.
+        note = "the attempt ended before every node answered" if missing and link.closing else ""
+        asker = f"node {link.node} ({link.host})"
+        return JobStacks(tuple(stacks), tuple(missing), asker, note)
 
 
 async def _captured(capture: Capture) -> list[tuple[int, int, str]] | None:

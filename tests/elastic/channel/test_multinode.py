@@ -15,9 +15,18 @@ from pathlib import Path
 
 import pytest
 
+from aioelastic._elastic.channel._job_channel import BEAT
 from aioelastic._elastic.channel._liveness import DEAD_AFTER
 from aioelastic._elastic.channel._stack_gathering import STACKS_TIMEOUT
-from tests.support.multinode import BOUND, DONE, READY, ended_within, job, stopped
+from tests.support.multinode import (
+    BOUND,
+    DONE,
+    READY,
+    VANISHED_BOUND,
+    ended_within,
+    job,
+    stopped,
+)
 from tests.support.waits import wait_all_gone
 
 # Every launcher here rendezvouses through torch's c10d store: skipped where torch is not
@@ -116,7 +125,7 @@ def test_a_vanished_node_is_seen_by_the_others_within_seconds(tmp_path: Path) ->
         killed_at = running.kill_node(2, pids)
         ends = running.finish()
         took = ended_within(ends[:2], killed_at)
-        assert all(t < BOUND for t in took), took
+        assert all(DEAD_AFTER - BEAT < t < VANISHED_BOUND for t in took), took
         assert wait_all_gone(list(pids.values()), 10) == []
     assert ends[2][0] == -signal.SIGKILL
     for node in (0, 1):
@@ -146,7 +155,7 @@ def test_a_lost_node_is_replaced_by_a_smaller_round_within_seconds_at_the_defaul
         ends = running.finish()
         assert [code for code, _ in ends] == [0, 0], [n.stderr for n in running.launchers]
         victim.finish()
-    assert took < BOUND, took
+    assert took < VANISHED_BOUND, took
     assert sorted(again) == [0, 1, 2, 3]
 
 
@@ -301,7 +310,11 @@ def test_a_node_that_never_answers_is_named_and_the_report_still_comes(tmp_path:
     report = asker.stderr[asker.stderr.index("stacks of ") :]
     head = report.splitlines()
     assert head[0] == "stacks of 4 ranks on 2 nodes, asked by node 0 (127.0.0.1)", report
-    assert head[1] == "node 2 (127.0.0.3): no answer"
+    # The report came when the attempt ended (node 2 found vanished), not at the timeout:
+    # what pins the early way out, which a wall-clock bound under STACKS_TIMEOUT could not
+    # without flaking (about 6 s measured against 10).
+    assert head[1] == "the attempt ended before every node answered"
+    assert head[2] == "node 2 (127.0.0.3): no answer"
     for rank in range(4):
         assert f"  rank {rank}: node {rank // 2} 127.0.0.{rank // 2 + 1} pid {pids[rank]}" in report
     (written,) = (tmp_path / "logs").glob("*/stacks-*.txt")
@@ -329,7 +342,14 @@ def test_a_node_whose_peer_never_hears_of_the_end_lingers_no_longer_than_its_bou
     took = ended_within(ends[:2], failed_at)
     assert all(t < DEAD_AFTER + BOUND for t in took), took
     assert [code for code, _ in ends[:2]] == [7, 7], [n.stderr for n in running.launchers]
-    assert "rank      : 1 (local_rank: 1)" in running.launchers[0].stderr
+    host = running.launchers[0].stderr
+    assert "rank      : 1 (local_rank: 1)" in host
+    # The wall-clock bound above is loose (a loaded machine); what pins the linger's own
+    # bound is the host's word that it waited exactly DEAD_AFTER for the silent node.
+    lingered = f"heard why the attempt ended within {DEAD_AFTER:g} s (1 of 2 did); leaving"
+    assert lingered in host, host
     heard = running.launchers[1].stderr
     assert "stopped: node 0 (127.0.0.1) failed: rank 1 exited 7" in heard, heard
-    assert ends[2][0] != 0
+    # Node 2, continued after the host left, finds the store gone, and says so.
+    assert ends[2][0] == 1, running.launchers[2].stderr
+    assert "lost the rendezvous store" in running.launchers[2].stderr
