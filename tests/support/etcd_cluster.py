@@ -404,10 +404,23 @@ class EtcdCluster:
         except TimeoutError:
             return None
 
-    def restart(self, member: Member) -> None:
-        """Start a killed member again from its data directory; wait until it serves."""
-        member.start(self.binary, self.initial_cluster, self.token)
-        self.wait_ready([member])
+    def kill_all_but(self, keep: Member) -> list[Member]:
+        """SIGKILL and reap every running member but ``keep``; return them.
+
+        Two of three: the cluster loses its quorum, and no election can follow (unlike
+        `kill`, this waits for none). Every write then fails after etcd's request timeout.
+        """
+        victims = [m for m in self.running if m is not keep]
+        for m in victims:
+            m.kill()
+        return victims
+
+    def restart(self, *members: Member) -> None:
+        """Start killed members again from their data directories, all at once (two of
+        three bring the quorum back together); wait until every one serves."""
+        for m in members:
+            m.start(self.binary, self.initial_cluster, self.token)
+        self.wait_ready(list(members))
 
     def close(self) -> None:
         """SIGKILL and reap every member; nothing stays running."""

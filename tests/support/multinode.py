@@ -2,7 +2,8 @@
 
 Each launcher runs in a session of its own, as on separate machines, and runs
 ``tests/children/multinode_job.py``, whose ranks block the way NCCL ranks do. Shared by the
-multi-node tests (``tests/elastic/channel/``).
+multi-node tests (``tests/elastic/channel/``);
+`lasted_pattern` by every test that reads a node's report of a lost store.
 """
 
 from __future__ import annotations
