@@ -116,8 +116,8 @@ class StackGathering:
             own = await _captured(capture)
             try:
                 await self._link.call(lambda: self._answer(request, own))
-                await self._wait_for_answers(request, timeout)
-                return await self._link.call(partial(self._collect, request))
+                cut_short = await self._wait_for_answers(request, timeout)
+                return await self._link.call(partial(self._collect, request, cut_short))
             except Exception as e:
                 return self._without_store(own, e)
 
@@ -136,7 +136,8 @@ class StackGathering:
             note=f"{failure}: the other nodes could not be asked",
         )
 
-    async def _wait_for_answers(self, request: int, timeout: float) -> None:
+    async def _wait_for_answers(self, request: int, timeout: float) -> bool:
+        """Wait for every answer; whether the attempt's end cut the wait short."""
         done = self._link.key(f"stacks/{request}/done")
 
         def answered_within(seconds: float) -> bool:
@@ -159,9 +160,10 @@ class StackGathering:
         while (left := deadline - time.monotonic()) > 0 and not link.closing:
             wait = max(min(self._beat, left), 0.01)
             if await link.call(partial(answered_within, wait), wait + link.store_lost_after):
-                break
+                return False
+        return link.closing and deadline - time.monotonic() > 0
 
-    def _collect(self, request: int) -> JobStacks:
+    def _collect(self, request: int, cut_short: bool = False) -> JobStacks:
         link = self._link
         stacks: list[RankStack] = []
         missing: list[str] = []
@@ -177,7 +179,7 @@ class StackGathering:
             ]
         # Said, not only done: a report cut short by the attempt's end (a silent node found
         # vanished) reads apart from one whose nodes let the whole timeout pass.
-        note = "the attempt ended before every node answered" if missing and link.closing else ""
+        note = "the attempt ended before every node answered" if missing and cut_short else ""
         asker = f"node {link.node} ({link.host})"
         return JobStacks(tuple(stacks), tuple(missing), asker, note)
 
