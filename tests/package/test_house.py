@@ -124,21 +124,18 @@ def test_no_test_file_over_600_lines() -> None:
 def test_the_tests_mirror_the_package() -> None:
     # A test file lives in the folder of the layer and room it tests (tests/core/start for
     # aioelastic/_core/start), or in one of the folders that are not a part of the package.
-    rooms = {
-        str(folder.relative_to(PACKAGE)).lstrip("_").replace("/_", "/").replace("/", ".")
+    places = {
+        tuple(part.lstrip("_") for part in folder.relative_to(PACKAGE).parts)
         for folder in PACKAGE.rglob("*")
         if folder.is_dir() and folder.name != "__pycache__"
     }
-    rooms = {room.lstrip("_") for room in rooms}
     other = {"package", "benchmarks", "support", "children"}
-    misplaced = []
-    for path in sorted(TESTS.rglob("test_*.py")):
-        folder = path.parent.relative_to(TESTS)
-        place = ".".join(folder.parts)
-        if place not in rooms and folder.parts[:1] and folder.parts[0] not in other:
-            misplaced.append(str(path.relative_to(REPO)))
-        if not folder.parts:
-            misplaced.append(str(path.relative_to(REPO)))
+    misplaced = [
+        str(path.relative_to(REPO))
+        for path in sorted(TESTS.rglob("test_*.py"))
+        if (folder := path.parent.relative_to(TESTS).parts) not in places
+        and not (folder and folder[0] in other)
+    ]
     assert misplaced == []
 
 
