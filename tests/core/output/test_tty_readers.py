@@ -63,16 +63,17 @@ NOT_READERS = {
     ),
 }
 
-#: The system calls each of NOT_READERS ends in, by machine: ``clock_nanosleep``; ``poll``
-#: or ``ppoll``; ``epoll_wait`` and kin.
+#: The system calls each of NOT_READERS ends in, by machine: ``clock_nanosleep`` (Python
+#: 3.11 and later; 3.10's ``time.sleep`` waits in ``select``, which glibc makes
+#: ``pselect6``); ``poll`` or ``ppoll``; ``epoll_wait`` and kin.
 NOT_READER_CALLS: dict[str, dict[str, set[int]]] = {
     "x86_64": {
-        "sleep": {230},
+        "sleep": {230, 270},
         "poll-without-pollin": {7, 271},
         "idle-event-loop": {232, 281, 441},
     },
     "aarch64": {
-        "sleep": {115},
+        "sleep": {115, 72},
         "poll-without-pollin": {73},
         "idle-event-loop": {22, 441},
     },
