@@ -39,7 +39,7 @@ from tests.support.audit import (
 )
 
 #: Fixtures that more than one folder's tests ask for by name.
-pytest_plugins = ["tests.support.torch_fixtures"]
+pytest_plugins = ["tests.support.torch_fixtures", "tests.support.slurm_cluster"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -138,9 +138,11 @@ def spare_pids(server_pid: int | None = None) -> list[int]:
 def long_lived_pids() -> set[int]:
     """Processes aioelastic keeps on purpose between runs (warm fork servers, watchdog)."""
     from aioelastic._core.start._watchdog import watchdog
+    from tests.support.slurm_cluster import daemon_pids
 
     pids = set(fork_server_pids())
     pids.update(spare_pids())
+    pids.update(daemon_pids())
     if watchdog.pid is not None:
         pids.add(watchdog.pid)
     return pids

@@ -25,11 +25,17 @@ class Launcher:
     """A running ``python -m aioelastic.run``, its output collected line by line."""
 
     def __init__(
-        self, argv: Sequence[str], env: dict[str, str] | None = None, *, new_session: bool = False
+        self,
+        argv: Sequence[str],
+        env: dict[str, str] | None = None,
+        *,
+        new_session: bool = False,
+        command: Sequence[str] = (sys.executable, "-m", "aioelastic.run"),
     ) -> None:
+        """Start ``command`` with ``argv``; ``command`` may wrap the launcher (``srun ...``)."""
         self.argv = list(argv)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "aioelastic.run", *argv],
+            [*command, *argv],
             cwd=REPO,
             env=env,
             # A session of its own: a node of several, whose signals reach no other node.
