@@ -74,6 +74,7 @@ if TYPE_CHECKING:
         WorkersStarted as WorkersStarted,
     )
     from ._elastic.rendezvous._handlers import create_rdzv_handler as create_rdzv_handler
+    from ._elastic.rendezvous._reform import NodeLostError as NodeLostError
 
 # The public surface, the one list of it: public name -> the private module that defines
 # it, grouped as the docs present it. ``__all__`` is derived from it, and attributes are
@@ -111,6 +112,7 @@ _EXPORTS = {
     "WorkerSpec": "._elastic.agent._types",
     "WorkerState": "._elastic.agent._types",
     "create_rdzv_handler": "._elastic.rendezvous._handlers",
+    "NodeLostError": "._elastic.rendezvous._reform",
     "elastic_launch": "._elastic.launch._elastic_launch",
     "launch_agent": "._elastic.launch._elastic_launch",
     "SignalReceived": "._core.aio._signals",

@@ -110,6 +110,9 @@ class LocalElasticAgent:
         metrics_port: serve Prometheus metrics and ``/health`` on this port (0: any free
             one) at ``metrics_host`` while ``run()`` runs; needs ``aioelastic[metrics]``.
         metrics_host: the address the metrics and health ports bind (loopback by default).
+        replace_lost_nodes: False: when a lost node leaves fewer nodes than the
+            rendezvous' ``min_nodes``, ``run()`` raises `NodeLostError` naming it, instead
+            of waiting for a node to replace it (where none can: a SLURM step).
         options: the options of each attempt's group of workers, a `GroupOptions`:
             whenever the agent stops its workers (a failure, a signal, a restart) it is
             with their grace period and stop order; a stall is a failure like any other,
@@ -148,6 +151,7 @@ class LocalElasticAgent:
         run_id: str | None = None,
         metrics_port: int | None = None,
         metrics_host: str = "127.0.0.1",
+        replace_lost_nodes: bool = True,
         options: GroupOptions | None = None,
         _event_hub: EventHub | None = None,
         _config: AgentConfig | None = None,
@@ -165,6 +169,7 @@ class LocalElasticAgent:
             run_id=run_id,
             metrics_port=metrics_port,
             metrics_host=metrics_host,
+            replace_lost_nodes=replace_lost_nodes,
             options=options,
             redirects=redirects,
             tee=tee,
@@ -325,7 +330,11 @@ class LocalElasticAgent:
     async def _open_rendezvous(self) -> NodeRendezvous:
         spec = self._spec
         if spec.rdzv_handler is not None:
-            return Rendezvous(spec.rdzv_handler, local_addr=spec.local_addr)
+            return Rendezvous(
+                spec.rdzv_handler,
+                local_addr=spec.local_addr,
+                replace_lost_nodes=self._config.replace_lost_nodes,
+            )
         # One node has no other agent to meet: no agent store, and so no torch at all.
         # Worker 0 hosts the workers' store (TORCHELASTIC_USE_AGENT_STORE=False), as under
         # torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1. The launcher then starts in

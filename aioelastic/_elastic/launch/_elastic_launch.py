@@ -64,6 +64,7 @@ _DERIVED_FROM = (
     "signals_to_handle",
     "metrics_port",
     "metrics_host",
+    "replace_lost_nodes",
     "options",
     *_GROUP_FIELDS,
 )
@@ -166,6 +167,11 @@ class LaunchConfig:
         restart_backoff: wait between failure restarts (`RestartBackoff`).
         no_retry_exit_codes: exit codes that fail the run at once.
         metrics_port: serve Prometheus metrics and ``/health`` there (``metrics_host``).
+        replace_lost_nodes: True (torch's way): when a lost node leaves fewer than
+            ``min_nodes``, the others wait for a node to replace it, up to the rendezvous'
+            join timeout. False: they end the run at once, naming the lost node — where
+            nothing can replace it, as in a SLURM step, so that the scheduler can requeue
+            the job (``aioelastic-run`` sets it there).
         options: the options of the workers' group as one `GroupOptions`. Each of its
             fields is also a field here, by torch's name for it: ``redirects``, ``tee``,
             ``shutdown_timeout``, ``log_line_prefix_template`` and the fields after
@@ -213,6 +219,7 @@ class LaunchConfig:
     ranks_filter: Collection[int] | str | None = None
     stop_leader_first: bool = False
     collapse_identical_lines: float | None = None
+    replace_lost_nodes: bool = True
     options: GroupOptions | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
@@ -346,6 +353,7 @@ class LaunchConfig:
             signals_to_handle=self.signals_to_handle,
             metrics_port=self.metrics_port,
             metrics_host=self.metrics_host,
+            replace_lost_nodes=self.replace_lost_nodes,
             options=self.options,
             # shutdown_timeout among them, resolved once (its environment) in __post_init__.
             **self._group_fields(),

@@ -212,10 +212,19 @@ class Rendezvous:
         handler: torch's handler (``static``, ``c10d``, ...).
         owned: whether `aclose` shuts the handler down (closing the rendezvous for every
             node). True for handlers the agent created itself.
+        local_addr: this node's address as its peers reach it.
+        replace_lost_nodes: False: a lost node that leaves fewer than the job's fewest
+            nodes ends the job at once (`NodeLostError`) instead of waiting for a node to
+            replace it.
     """
 
     def __init__(
-        self, handler: RendezvousHandler, *, owned: bool = False, local_addr: str | None = None
+        self,
+        handler: RendezvousHandler,
+        *,
+        owned: bool = False,
+        local_addr: str | None = None,
+        replace_lost_nodes: bool = True,
     ) -> None:
         for method in ("next_rendezvous", "num_nodes_waiting", "get_run_id", "shutdown"):
             if not callable(getattr(handler, method, None)):
@@ -241,6 +250,7 @@ class Rendezvous:
         self._members: tuple[int, dict[Any, int]] | None = None
         self._lost: set[int] = set()
         self._reform = False
+        self._replace_lost_nodes = replace_lost_nodes
 
     @property
     def use_agent_store(self) -> bool:
@@ -415,6 +425,8 @@ class Rendezvous:
             return
         last_round, members = self._members
         gone = {node for node, rank in members.items() if rank in lost}
+        if not self._replace_lost_nodes:
+            reform.end_if_short(self.handler, members, gone)
         for node in gone:
             reform.forget_node(self.handler, node)
         with reform.survivors_closing_round(self.handler, set(members) - gone, last_round):

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-__all__ = ["forget_node", "members", "survivors_closing_round"]
+__all__ = ["NodeLostError", "end_if_short", "forget_node", "members", "survivors_closing_round"]
 
 logger = logging.getLogger("aioelastic.rendezvous")
 
@@ -59,6 +59,37 @@ def members(handler: Any) -> tuple[int, dict[Any, int]] | None:
         return int(holder.state.round), dict(holder.state.participants)
     except Exception:
         return None
+
+
+class NodeLostError(RuntimeError):
+    """A node was lost, nothing replaces it, and fewer than the job's fewest nodes remain."""
+
+
+def end_if_short(handler: Any, members: dict[Any, int], gone: set[Any]) -> None:
+    """Refuse the next round when ``gone`` leaves fewer than ``min_nodes`` and none can come.
+
+    Called only where lost nodes are not replaced (``replace_lost_nodes=False``: a SLURM
+    step, whose nodes never come back): waiting for a replacement would only wait out
+    the rendezvous' join timeout while the scheduler could requeue the job.
+
+    Raises:
+        NodeLostError: naming each lost node by its group rank and address.
+    """
+    settings = getattr(handler, "_settings", None)
+    min_nodes = getattr(settings, "min_nodes", None)
+    remaining = len(members) - len(gone)
+    if not gone or not isinstance(min_nodes, int) or remaining >= min_nodes:
+        return
+    lost = ", ".join(
+        f"node {members[node]} ({getattr(node, 'addr', node)})"
+        for node in sorted(gone, key=members.__getitem__)
+    )
+    raise NodeLostError(
+        f"{lost} {'was' if len(gone) == 1 else 'were'} lost and no node replaces a lost one "
+        f"here (replace_lost_nodes is off, as in a SLURM step, whose nodes never come "
+        f"back): {remaining} of the {min_nodes} nodes the job needs remain, so the job "
+        "ends now, for the scheduler to requeue it"
+    )
 
 
 def forget_node(handler: Any, node: Any) -> None:

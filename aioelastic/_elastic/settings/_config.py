@@ -43,6 +43,9 @@ class AgentConfig:
         metrics_port: where Prometheus metrics and liveness are served; None: not served.
         metrics_host: the address the metrics and health ports bind.
         health_port: ``TORCHELASTIC_HEALTH_CHECK_PORT``, served for liveness; None: unset.
+        replace_lost_nodes: whether the survivors of a lost node, fewer than the fewest
+            nodes the job needs, wait for a node to replace it (torch's way: up to the
+            rendezvous' join timeout) or end the job at once, naming it.
     """
 
     start_method: str
@@ -55,6 +58,7 @@ class AgentConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     health_port: int | None = None
+    replace_lost_nodes: bool = True
 
     def __post_init__(self) -> None:
         # log_dir is checked here rather than in build: elastic_launch sets it per run with
@@ -80,6 +84,7 @@ class AgentConfig:
         metrics_host: str = "127.0.0.1",
         environ: Mapping[str, str] | None = None,
         options: GroupOptions | None = None,
+        replace_lost_nodes: bool = True,
         **group_options: Any,
     ) -> AgentConfig:
         """Parse each setting with its parser; the arguments are `LocalElasticAgent`'s.
@@ -120,4 +125,7 @@ class AgentConfig:
             else values.field("metrics_port", values.port, metrics_port),
             metrics_host=values.field("metrics_host", node_values.host, metrics_host),
             health_port=health_port_from_env(env),
+            replace_lost_nodes=values.field(
+                "replace_lost_nodes", values.boolean, replace_lost_nodes
+            ),
         )
