@@ -436,6 +436,19 @@ FLAGS: tuple[Flag, ...] = (
         ours=True,
     ),
     Flag(
+        ("--lost-node",),
+        str,
+        "wait",
+        "What the surviving nodes do when a lost node leaves fewer than --nnodes' minimum: "
+        "'wait' for a launcher to replace it, up to the rendezvous' join timeout (torch's "
+        "way; right where a restarted pod or a spare can come), or 'end' the job at once, "
+        "naming the lost node (where nothing can come back, as in a SLURM step: the "
+        "scheduler can then requeue the job).",
+        ours=True,
+        choices=("wait", "end"),
+        metavar="{wait,end}",
+    ),
+    Flag(
         ("--metrics-port",),
         cli_type(values.port, "PORT"),
         None,

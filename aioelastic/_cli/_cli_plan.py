@@ -308,6 +308,7 @@ def _launch_config(
             no_retry_exit_codes=args.no_retry_exit_codes,
             metrics_port=args.metrics_port,
             metrics_host=args.metrics_host,
+            replace_lost_nodes=args.lost_node == "wait",
             # No shutdown timeout given: LaunchConfig reads $TORCH_ELASTIC_SHUTDOWN_TIMEOUT
             # (there only).
             options=options,
