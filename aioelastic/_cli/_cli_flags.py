@@ -58,9 +58,11 @@ def _endpoint_text(text: str) -> str:
     """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch.
 
     A list (the etcd backends' members) is checked member by member here, and against
-    the backend once it is known.
+    the backend once it is known. A port alone (``:29400``) is for a SLURM step, whose
+    first host is the host (`.schedulers._derive`).
     """
-    node_values.endpoints(text, next(iter(node_values.LIST_ENDPOINT_BACKENDS)))
+    checked = f"localhost{text.strip()}" if text.strip().startswith(":") else text
+    node_values.endpoints(checked, next(iter(node_values.LIST_ENDPOINT_BACKENDS)))
     return text.strip()
 
 
