@@ -5,7 +5,8 @@ the flags they set (``said``): a value from either always wins, and only the res
 derived. Inside a SLURM step (`._slurm`): the node count, a c10d rendezvous whose store is
 on the step's first host, on a port made of the job and step ids, hosted by node 0 (told
 to torch as ``is_host``: its guess from host names and addresses is wrong where several
-nodes share one machine's interfaces), and a run id new for every step and requeue. In a
+nodes share one machine's interfaces), a run id new for every step and requeue, and
+``--lost-node end`` (nothing replaces a node of a step). In a
 Kubernetes pod (`._kubernetes`): node 0's address for a static job. What was derived is
 told in one line, at the launcher's start.
 """
@@ -32,6 +33,7 @@ _TOLD = (
     "rdzv_conf",
     "master_addr",
     "master_port",
+    "lost_node",
 )
 
 
@@ -97,6 +99,10 @@ def _from_step(step: slurm.Step, args: argparse.Namespace, said: set[str]) -> di
         values |= {dest: value for dest, value in given.items() if dest not in said}
     if "rdzv_id" not in said:
         values["rdzv_id"] = step.run_id
+    if "lost_node" not in said:
+        # A step's nodes are fixed: a crashed node never rejoins it, so survivors too few
+        # for the job end it, for SLURM's requeue, instead of waiting out the join timeout.
+        values["lost_node"] = "end"
     return values
 
 

@@ -73,7 +73,7 @@ def test_a_slurm_step_forms_one_job_from_its_variables_alone() -> None:
         assert (
             f"aioelastic-run: from SLURM job {job} step 0: --nnodes 2 --rdzv-backend c10d "
             f"--rdzv-endpoint localhost:{store} --rdzv-id slurm-{job}.0-r0 "
-            f"--rdzv-conf is_host={int(node == 0)}\n"
+            f"--rdzv-conf is_host={int(node == 0)} --lost-node end\n"
         ) in run.err
 
 

@@ -38,7 +38,7 @@ def test_a_step_gives_nodes_a_c10d_store_on_its_first_host_and_an_id() -> None:
     assert launch([], {**STEP, "SLURM_NODEID": "0"})[0].rdzv_configs["is_host"] == "1"
     assert command.notes == (
         f"from SLURM job 1234 step 0: --nnodes 3 --rdzv-backend c10d --rdzv-endpoint "
-        f"n1:{PORT} --rdzv-id slurm-1234.0-r0 --rdzv-conf is_host=0",
+        f"n1:{PORT} --rdzv-id slurm-1234.0-r0 --rdzv-conf is_host=0 --lost-node end",
     )
 
 
@@ -50,8 +50,12 @@ def test_flags_win_over_pet_variables_which_win_over_slurm() -> None:
     assert config.rdzv_endpoint == "h9:7"
     # Another host than the first: torch decides who hosts it, as without SLURM.
     assert "is_host" not in config.rdzv_configs
-    assert command.notes == ()
+    # What was left unsaid still comes from the step: its nodes never come back.
+    assert command.notes == ("from SLURM job 1234 step 0: --lost-node end",)
+    assert config.replace_lost_nodes is False
     assert launch([], env)[0].run_id == "from-pet"
+    assert launch(["--lost-node", "wait"], env)[0].replace_lost_nodes is True
+    assert launch([], {**env, "PET_LOST_NODE": "wait"})[0].replace_lost_nodes is True
 
 
 def test_an_endpoint_with_only_a_host_or_only_a_port_is_completed_from_the_step() -> None:
@@ -69,7 +73,7 @@ def test_the_static_backend_takes_the_node_rank_and_the_store_from_the_step() ->
     assert config.rdzv_configs["rank"] == 1
     assert command.notes == (
         f"from SLURM job 1234 step 0: --nnodes 3 --node-rank 1 --rdzv-id slurm-1234.0-r0 "
-        f"--master-addr n1 --master-port {PORT}",
+        f"--master-addr n1 --master-port {PORT} --lost-node end",
     )
 
 
