@@ -157,9 +157,12 @@ def main(control_fd: int, parent_pid: int) -> None:
     """Entry point of the fork-server process."""
     _platform.die_with_parent(parent_pid)
     _reset_signal_state()
-    # Ctrl-C at a terminal reaches the supervisor's process group; we are in our own and
-    # must leave the decision to the supervisor. (Workers reset SIGINT for themselves.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A stop or a user signal is the supervisor's to decide on, not ours: Ctrl-C at a
+    # terminal reaches the supervisor's process group, and a scheduler's SIGTERM (or
+    # --signal USR1) every process of the job, us included; our dying of it would take
+    # down our workers through their parent-death signal before their own handlers ran.
+    # Held before the preload, whose threads inherit the mask; each worker empties it.
+    _platform.hold_job_signals()
     sock = socket.socket(fileno=control_fd)
     # Opened before the preload, which may use every other fd up to the limit.
     reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -244,6 +247,8 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
     _platform.die_with_parent(server_pid)
     # Done while idle, not once the call came: a quarter of a worker's way to its function.
     reset_inherited_signal_state()
+    # A helper until a call comes, which a job's signals must not end (see main).
+    _platform.hold_job_signals()
     try:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 5)
     except OSError:
@@ -255,6 +260,8 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
     except OSError:
         os._exit(0)  # the server gave up on us
     _platform.set_process_name(name)
+    # A worker now: a signal held while it was a spare acts from here on.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     stderr_w, result_w, stdout_w, *rest = fds
     stdin_r = rest.pop(0) if msg[1:2] == WITH_STDIN else None
     forked_worker(
