@@ -213,6 +213,7 @@ class LaunchConfig:
     ranks_filter: Collection[int] | str | None = None
     stop_leader_first: bool = False
     collapse_identical_lines: float | None = None
+    forward_signals: Collection[int] | str = ()
     options: GroupOptions | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 
