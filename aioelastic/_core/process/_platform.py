@@ -373,7 +373,9 @@ the real-time signals are not among them.
 
 
 def hold_job_signals() -> None:
-    """In a helper process: keep every one of `JOB_SIGNALS` blocked (see there).
+    """Keep every one of `JOB_SIGNALS` blocked in this thread (see there).
+
+    In a helper process, and in the launcher threads that start helpers and workers.
 
     Blocked, not ignored: a child forked from the helper inherits the mask, and a signal
     sent to it before it becomes a worker stays pending until the worker empties its
@@ -384,7 +386,7 @@ def hold_job_signals() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
 
 
-def default_signal_state(python: bool) -> None:
+def default_signal_state(python: bool, held: Collection[int] = ()) -> None:
     """In a new worker, before it runs user code: every disposition default, none blocked.
 
     What the supervisor inherited (``SIGHUP`` ignored under ``nohup``, ``SIGINT`` ignored
@@ -397,6 +399,9 @@ def default_signal_state(python: bool) -> None:
     ``spawn`` first thing in the new interpreter, binaries between fork and exec (exec
     resets handlers but keeps ignored signals and the mask; with ``os.posix_spawn`` the
     equivalent is ``setsigdef=RESETTABLE_SIGNALS, setsigmask=()``).
+
+    ``held``: the mask to leave instead of an empty one (a fork server's spare, a helper
+    until it becomes a worker, keeps `JOB_SIGNALS` blocked without a moment's gap).
     """
     ignored = {signal.SIGPIPE, signal.SIGXFSZ} if python else set()
     for sig in RESETTABLE_SIGNALS:
@@ -408,7 +413,7 @@ def default_signal_state(python: bool) -> None:
             signal.signal(sig, handler)
         except (OSError, ValueError):
             pass  # a real-time signal reserved by the C library
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def ensure_default_sigchld() -> None:
