@@ -451,6 +451,18 @@ FLAGS: tuple[Flag, ...] = (
         metavar="{wait,end}",
     ),
     Flag(
+        ("--forward-signals",),
+        cli_type(values.forwarded_signals, "SIG,..."),
+        "",
+        "Signals passed on to every worker, the job going on (e.g. USR1,USR2 for a "
+        "scheduler's checkpoint request): each running worker's process gets it, and one "
+        "that does not handle it dies of it, a worker failure. None by default; SIGUSR1 "
+        "and SIGUSR2 then never end the launcher. Not a signal of --signals-to-handle. "
+        "See docs/signals.md.",
+        ours=True,
+        metavar="SIG,...",
+    ),
+    Flag(
         ("--metrics-port",),
         cli_type(values.port, "PORT"),
         None,
