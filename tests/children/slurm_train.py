@@ -73,7 +73,10 @@ def main(mode: str, out_dir: str) -> int:
         flush=True,
     )
     if mode == "train":
-        return train(rank, out_dir)
+        code = train(rank, out_dir)
+        dist.destroy_process_group()
+        print(f"exiting rank={rank}", flush=True)
+        return code
     if mode == "fail" and restart == 0:
         if rank == int(os.environ["TEST_FAIL_RANK"]):
             return 7

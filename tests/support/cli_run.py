@@ -94,11 +94,11 @@ class Launcher:
         )
         return matches[:count]
 
-    def wait_for_stderr(self, text: str, timeout: float = 60) -> None:
-        """Wait until ``text`` appears on stderr (fails the test after ``timeout``)."""
+    def wait_for_stderr(self, text: str, timeout: float = 60, count: int = 1) -> None:
+        """Wait until ``text`` appears ``count`` times on stderr (else fail after ``timeout``)."""
         with self._changed:
-            ok = self._changed.wait_for(lambda: text in self.stderr, timeout)
-        assert ok, f"{text!r} not on stderr:\n{self.stderr}"
+            ok = self._changed.wait_for(lambda: self.stderr.count(text) >= count, timeout)
+        assert ok, f"{count} x {text!r} not on stderr:\n{self.stderr}"
 
     def finish(self, timeout: float = 90) -> int:
         """Wait for the launcher to exit and its output to be read; its exit status.
