@@ -18,7 +18,7 @@ from tests.support.cli_run import launch, with_env
 from tests.support.paths import CHILDREN
 from tests.support.ports import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
 SCRIPT = str(CHILDREN / "torch_launch_script.py")
 

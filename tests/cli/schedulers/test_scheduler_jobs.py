@@ -22,7 +22,7 @@ from tests.support.cli_child import SCRIPT
 from tests.support.cli_run import Launcher, env_lines, with_env
 from tests.support.ports import free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.torch, pytest.mark.timeout(120)]
 
 #: Every pod has it; the training operator's variables are read only in a pod.
 POD = {"KUBERNETES_SERVICE_HOST": "10.96.0.1", "PYTHONUNBUFFERED": "1"}
