@@ -113,6 +113,8 @@ def run(argv: Sequence[str] | None = None) -> int:
         # started with it: OpenMP reads OMP_NUM_THREADS once, when a preloaded torch loads
         # it, so the workers forked later could not lower it any more.
         os.environ.setdefault("OMP_NUM_THREADS", "1")
+    for note in command.notes:
+        print(f"{PROG}: {note}", file=sys.stderr)
     for warning in command.warnings:
         print(f"{PROG}: warning: {warning}", file=sys.stderr)
     # The launcher owns its supervision: a descendant of a worker that left the worker's

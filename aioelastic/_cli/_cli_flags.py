@@ -58,9 +58,11 @@ def _endpoint_text(text: str) -> str:
     """``--rdzv-endpoint``: checked by the one endpoint parser, kept as text for torch.
 
     A list (the etcd backends' members) is checked member by member here, and against
-    the backend once it is known.
+    the backend once it is known. A port alone (``:29400``) is for a SLURM step, whose
+    first host is the host (`.schedulers._derive`).
     """
-    node_values.endpoints(text, next(iter(node_values.LIST_ENDPOINT_BACKENDS)))
+    checked = f"localhost{text.strip()}" if text.strip().startswith(":") else text
+    node_values.endpoints(checked, next(iter(node_values.LIST_ENDPOINT_BACKENDS)))
     return text.strip()
 
 
@@ -447,6 +449,18 @@ FLAGS: tuple[Flag, ...] = (
         ours=True,
         choices=("wait", "end"),
         metavar="{wait,end}",
+    ),
+    Flag(
+        ("--forward-signals",),
+        cli_type(values.forwarded_signals, "SIG,..."),
+        "",
+        "Signals passed on to every worker, the job going on (e.g. USR1,USR2 for a "
+        "scheduler's checkpoint request): each running worker's process gets it, and one "
+        "that does not handle it dies of it, a worker failure. None by default; SIGUSR1 "
+        "and SIGUSR2 then never end the launcher. Not a signal of --signals-to-handle. "
+        "See docs/signals.md.",
+        ours=True,
+        metavar="SIG,...",
     ),
     Flag(
         ("--metrics-port",),

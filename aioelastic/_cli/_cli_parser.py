@@ -2,7 +2,8 @@
 
 `parse_args` turns argv into an `argparse.Namespace` whose values are already typed (each
 flag's text goes through its converter in `._cli_flags`), with ``PET_*`` variables as the
-defaults; no torch, and no I/O but a look at the ``--log-dir`` path. A bad value, from the
+defaults, and what a scheduler's environment gives (`.schedulers`) for the flags neither
+set; no torch, and no I/O but a look at the ``--log-dir`` path. A bad value, from the
 command line or a ``PET_*`` variable, is argparse's usage error: the usage line, the
 message naming the flag, exit status 2. `usage_error` ends the same way for what is found
 later (combinations of flags, the launch API's own checks).
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from ._cli_flags import ENV_PREFIX, FLAGS, TORCH_PREFIX_ENV, Flag
+from .schedulers._derive import derive
 
 __all__ = ["build_parser", "parse_args", "usage_error"]
 
@@ -34,11 +37,15 @@ class _Parser(argparse.ArgumentParser):
     """argparse with our prog name; errors exit 2 with usage, like torchrun's."""
 
 
-def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+def build_parser(
+    environ: Mapping[str, str] | None = None, *, defaults: bool = True
+) -> argparse.ArgumentParser:
     """The parser, with defaults taken from ``PET_*`` variables in ``environ``.
 
     Args:
         environ: the environment to read overrides from (default ``os.environ``).
+        defaults: False for a parser that leaves a flag not given out of its namespace
+            (what the command line itself says).
 
     Returns:
         An ``argparse.ArgumentParser`` for ``aioelastic-run``.
@@ -60,7 +67,7 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "by signal N.",
     )
     for flag in FLAGS:
-        default = _env_default(flag, environ)
+        default = _env_default(flag, environ) if defaults else argparse.SUPPRESS
         help_text = f"[aioelastic] {flag.help}" if flag.ours else flag.help
         help_text = help_text.replace("%", "%%")
         if flag.is_switch:
@@ -119,14 +126,30 @@ def parse_args(
 
     Returns:
         The namespace, one attribute per flag (see `FLAGS`) plus ``training_script`` and
-        ``training_script_args``.
+        ``training_script_args``, and ``derived``: what a scheduler's environment (a SLURM
+        step, a Kubernetes pod) gave for the flags neither the command line nor a
+        ``PET_*`` variable set (`.schedulers._derive.Derived`), already in the flags'
+        attributes.
     """
+    if environ is None:
+        environ = os.environ
+    if argv is None:
+        argv = sys.argv[1:]
     try:
         parser = build_parser(environ)
     except ValueError as e:
         # A bad PET_* variable: the usage of the parser without the environment.
         usage_error(str(e))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    said = set(vars(build_parser({}, defaults=False).parse_args(argv)))
+    said |= {flag.dest for flag in FLAGS if flag.env_var in environ}
+    try:
+        args.derived = derive(args, environ, said)
+    except ValueError as e:
+        usage_error(str(e))
+    for dest, value in args.derived.values.items():
+        setattr(args, dest, value)
+    return args
 
 
 def usage_error(message: str) -> NoReturn:

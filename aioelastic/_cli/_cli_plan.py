@@ -63,6 +63,8 @@ class CommandLine:
             for a temporary one.
         warnings: what the user should know that does not stop the launch (as torchrun's
             log warnings).
+        notes: what the launcher tells at its start besides: the flags a scheduler's
+            environment gave (a SLURM step, a Kubernetes pod).
     """
 
     entrypoint: str
@@ -72,6 +74,7 @@ class CommandLine:
     preload: tuple[str, ...] = ()
     log_dir: str | None = None
     warnings: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def target(self) -> tuple[Callable[..., Any] | str, tuple[str, ...]]:
         """The entrypoint and arguments for ``elastic_launch(config, entrypoint)(*args)``."""
@@ -129,7 +132,8 @@ def config_from_args(
     if environ is None:
         environ = os.environ
     _refuse_unsupported(args)
-    warnings: list[str] = []
+    derived = getattr(args, "derived", None)
+    warnings: list[str] = [] if derived is None else list(derived.warnings)
     nproc = (nproc_resolver or resolve_nproc_per_node)(args.nproc_per_node)
     rdzv = _rendezvous(args, _check_nodes(args, warnings), warnings)
     options = _group_options(args, nproc)
@@ -149,6 +153,7 @@ def config_from_args(
         preload=args.preload,
         log_dir=args.log_dir,
         warnings=tuple(warnings),
+        notes=() if derived is None or derived.note is None else (derived.note,),
     )
 
 
@@ -237,6 +242,11 @@ def _rendezvous(args: argparse.Namespace, static: bool, warnings: list[str]) -> 
         raise ValueError(
             f"--rdzv-backend={backend!r} needs --rdzv-endpoint HOST:PORT (the rendezvous "
             "store every node connects to)"
+        )
+    if endpoint.startswith(":"):
+        raise ValueError(
+            f"argument {_names('rdzv_endpoint')}: {endpoint!r} gives a port alone, whose "
+            "host only a SLURM step names (its first node); give HOST:PORT"
         )
     # The options given, checked now for the backend that will read them (c10d for a single
     # node, as in torchrun): torch refuses a bad one only once its store is up, as a

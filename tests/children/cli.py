@@ -199,6 +199,42 @@ def cmd_catch(args: argparse.Namespace) -> None:
     _wait_forever()
 
 
+def cmd_job(args: argparse.Namespace) -> None:
+    """A trainer as a scheduler's signals find it: print ``ready``, then wait for a signal.
+
+    On SIGTERM: write ``<--out>/term<rank>`` (its handler ran), save for ``--save``
+    seconds (a checkpoint the grace period must cover), write ``<--out>/saved<rank>``,
+    exit 0; a second SIGTERM meanwhile changes nothing. On SIGUSR1 (a checkpoint request):
+    print ``handled SIGUSR1 rank=R``, write ``<--out>/usr1<rank>`` and exit 0, the job's
+    normal end.
+    """
+    saving = False
+
+    def mark(name: str) -> None:
+        with open(os.path.join(args.out, f"{name}{_rank()}"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def on_term(signum: int, frame: object) -> None:
+        nonlocal saving
+        if saving:
+            return
+        saving = True
+        mark("term")
+        time.sleep(args.save)  # the checkpoint's work
+        mark("saved")
+        os._exit(0)
+
+    def on_usr1(signum: int, frame: object) -> None:
+        print(f"handled SIGUSR1 rank={_rank()}", flush=True)
+        mark("usr1")
+        sys.exit(0)  # the end of the script: a --run-path worker's too
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGUSR1, on_usr1)
+    print(f"ready rank={_rank()} pid={os.getpid()}", flush=True)
+    _wait_forever()
+
+
 def cmd_lines(args: argparse.Namespace) -> None:
     """Write ``--count`` lines to stdout and stderr; rank ``--fail-rank`` then raises.
 
@@ -242,6 +278,9 @@ def main(argv: list[str] | None = None) -> None:
     checkpoint.add_argument("--ready", default="")
     checkpoint.add_argument("--helper-ignores-term", action="store_true")
     sub.add_parser("catch")
+    job = sub.add_parser("job")
+    job.add_argument("--out", required=True)
+    job.add_argument("--save", type=float, default=0.0)
     lines = sub.add_parser("lines")
     lines.add_argument("--count", type=int, default=3)
     lines.add_argument("--fail-rank", type=int, default=-1)
@@ -255,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         "fail": cmd_fail,
         "flaky": cmd_flaky,
         "hold": cmd_hold,
+        "job": cmd_job,
         "lines": cmd_lines,
     }[args.cmd](args)
 

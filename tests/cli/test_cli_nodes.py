@@ -175,6 +175,20 @@ def test_c10d_needs_an_endpoint_and_parses_rdzv_conf(
     assert "KEY=VALUE" in refusal(["--rdzv-conf", "join_timeout"], capsys)
 
 
+@pytest.mark.parametrize("quote", ["'", '"'])
+def test_rdzv_conf_in_quotes_that_no_shell_removed_is_read_without_them(
+    quote: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An argument list carries them (torch's own launcher tests write it so).
+    c10d = ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:29400", "--nnodes=1:2"]
+    given = f"--rdzv-conf={quote}join_timeout=5,last_call_timeout=1{quote}"
+    c = config([*c10d, given])
+    assert c.rdzv_configs == {"join_timeout": "5", "last_call_timeout": "1", "timeout": 900}
+    # One matching pair around the whole only: a stray quote is still refused.
+    stray = refusal([*c10d, "--rdzv-conf='join_timeout=5"], capsys)
+    assert '"\'join_timeout" is not an option' in stray
+
+
 def test_rdzv_conf_is_checked_for_torchs_backends_and_passed_as_is_to_others(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -45,7 +45,7 @@ def test_tee_implies_files_as_in_torchrun() -> None:
         (["--monitor-interval", "0"], "> 0"),
         (["--restart-backoff", "-1"], ">= 0"),
         (["--master-port", "70000"], "0..65535"),
-        (["--rdzv-endpoint", ":5"], "no valid host"),
+        (["--rdzv-endpoint", ":5"], "gives a port alone, whose host only a SLURM step names"),
         (["--rdzv-endpoint", "[::1"], "no valid host"),
         (["--nnodes", "2", "--master-port", "0"], "needs a fixed port"),
     ],

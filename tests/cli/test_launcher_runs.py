@@ -19,14 +19,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli_child import READY, SCRIPT
-from tests.support.cli_run import Launcher, launch, launcher, with_env
+from tests.support.cli_run import env_lines, launch, launcher, with_env
 from tests.support.paths import REPO
 from tests.support.ports import free_port
-
-
-def env_lines(run: Launcher) -> list[dict[str, str]]:
-    return [json.loads(line[4:]) for line in run.out if line.startswith("ENV ")]
-
 
 # -- success, commands, environment ---------------------------------------------------------
 

@@ -70,6 +70,23 @@ def live_children(parent: int) -> list[int]:
     return [pid for pid, state in children_of(parent).items() if state not in ("Z", "X")]
 
 
+def process_tree(root: int) -> list[int]:
+    """``root`` and every descendant of it (by parent), as ``/proc`` lists them now.
+
+    What a scheduler signals when it ends a job: every process of its cgroup.
+    """
+    tree, i = [root], 0
+    while i < len(tree):
+        pid, i = tree[i], i + 1
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    tree += [int(child) for child in f.read().split() if int(child) not in tree]
+        except OSError:
+            pass  # gone meanwhile: so are the children it had
+    return tree
+
+
 def processes_with_env(name: str, value: str) -> list[int]:
     """Live processes (zombies excluded, this one too) whose environment has ``name=value``.
 

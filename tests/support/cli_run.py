@@ -9,6 +9,7 @@ with a timeout; :mod:`tests.support.waits` has the event-loop counterparts.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -133,6 +134,11 @@ def launch(*argv: str, env: dict[str, str] | None = None, timeout: float = 90) -
     with launcher(*argv, env=env) as run:
         run.finish(timeout)
     return run
+
+
+def env_lines(run: Launcher) -> list[dict[str, str]]:
+    """The environments the workers of ``run`` printed (``tests/children/cli.py env``)."""
+    return [json.loads(line[4:]) for line in run.out if line.startswith("ENV ")]
 
 
 def with_env(**extra: str) -> dict[str, str]:

@@ -86,6 +86,35 @@ def is_running(pid: int) -> bool:
     return process_state(pid) not in (None, "Z", "X")
 
 
+def _status_mask(pid: int, field: str) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return None
+
+
+def wait_signal_held(pid: int, sig: int, timeout: float) -> bool:
+    """Wait until ``sig`` is pending on ``pid`` and blocked there (held, not acted on).
+
+    ``False`` once ``pid`` is gone or the time is out: it took the signal (its default
+    action, a handler) instead of holding it. The kernel has no event for a signal made
+    pending, so ``/proc`` is read until then (a signal sent before the call is pending
+    already: at once).
+    """
+    bit = 1 << (sig - 1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and is_running(pid):
+        pending, blocked = _status_mask(pid, "ShdPnd"), _status_mask(pid, "SigBlk")
+        if pending is not None and blocked is not None and pending & blocked & bit:
+            return True
+        time.sleep(0.01)
+    return False
+
+
 async def wait_gone(pid: int, timeout: float = 30) -> None:
     """Wait, event-driven (a pidfd), until ``pid`` has exited; it may stay a zombie."""
     try:

@@ -19,7 +19,7 @@ import pickle
 import signal
 import sys
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -244,12 +244,15 @@ def forked_worker(
             os._exit(code)
 
 
-def reset_inherited_signal_state() -> None:
-    """A forked child's signals as a fresh interpreter has them (and no wakeup fd)."""
+def reset_inherited_signal_state(held: Collection[int] = ()) -> None:
+    """A forked child's signals as a fresh interpreter has them (and no wakeup fd).
+
+    ``held``: signals left blocked (see `_platform.default_signal_state`).
+    """
     # The parent's event loop set a wakeup fd; left in place, a signal to this child
     # would be written into the *parent's* loop and run the parent's handlers.
     signal.set_wakeup_fd(-1)
-    _platform.default_signal_state(python=True)
+    _platform.default_signal_state(python=True, held=held)
 
 
 def adopt_environment(env: dict[str, str]) -> None:

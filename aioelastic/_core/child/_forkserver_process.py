@@ -76,12 +76,14 @@ _PYTHON_IGNORES = (signal.SIGPIPE, signal.SIGXFSZ)
 
 
 def _reset_signal_state() -> None:
-    """Default dispositions and an empty mask, whatever the supervisor had.
+    """Default dispositions, whatever the supervisor had; only the job's signals blocked.
 
     A supervisor started with SIGCHLD ignored (a shell or a service can do that) passes
     it on through exec; with SIGCHLD ignored the kernel reaps our workers itself, and
     waitid fails with ECHILD instead of reporting their exit status. Workers inherit
-    this state through fork, so they start as a fresh interpreter would.
+    this state through fork, so they start as a fresh interpreter would (each empties
+    the mask). The job's signals are held (see main): set in one call, so that none
+    comes unblocked in between (the launcher thread that started us held them too).
     """
     for sig in signal.valid_signals():
         if sig in (signal.SIGKILL, signal.SIGSTOP):
@@ -90,7 +92,7 @@ def _reset_signal_state() -> None:
             signal.signal(sig, signal.SIG_IGN if sig in _PYTHON_IGNORES else signal.SIG_DFL)
         except (OSError, ValueError):
             pass  # real-time signals the C library reserves
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.pthread_sigmask(signal.SIG_SETMASK, _platform.JOB_SIGNALS)
 
 
 def _fork_error_text(error: OSError) -> str:
@@ -156,10 +158,12 @@ def _answer_error(fd: int, text: str) -> None:
 def main(control_fd: int, parent_pid: int) -> None:
     """Entry point of the fork-server process."""
     _platform.die_with_parent(parent_pid)
+    # A stop or a user signal is the supervisor's to decide on, not ours: Ctrl-C at a
+    # terminal reaches the supervisor's process group, and a scheduler's SIGTERM (or
+    # --signal USR1) every process of the job, us included; our dying of it would take
+    # down our workers through their parent-death signal before their own handlers ran.
+    # Held before the preload, whose threads inherit the mask; each worker empties it.
     _reset_signal_state()
-    # Ctrl-C at a terminal reaches the supervisor's process group; we are in our own and
-    # must leave the decision to the supervisor. (Workers reset SIGINT for themselves.)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=control_fd)
     # Opened before the preload, which may use every other fd up to the limit.
     reserve = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
@@ -243,7 +247,9 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
             pass
     _platform.die_with_parent(server_pid)
     # Done while idle, not once the call came: a quarter of a worker's way to its function.
-    reset_inherited_signal_state()
+    # A helper until a call comes, which a job's signals must not end (see main): they
+    # stay blocked, as in the server, with no moment unblocked between.
+    reset_inherited_signal_state(held=_platform.JOB_SIGNALS)
     try:
         msg, fds, _, _ = socket.recv_fds(sock, _MAX_MSG, 5)
     except OSError:
@@ -255,6 +261,8 @@ def _spare_main(sock: socket.socket, private: list[int], server_pid: int, name: 
     except OSError:
         os._exit(0)  # the server gave up on us
     _platform.set_process_name(name)
+    # A worker now: a signal held while it was a spare acts from here on.
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
     stderr_w, result_w, stdout_w, *rest = fds
     stdin_r = rest.pop(0) if msg[1:2] == WITH_STDIN else None
     forked_worker(

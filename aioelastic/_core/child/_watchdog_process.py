@@ -33,8 +33,16 @@ Protocol, over a ``SOCK_SEQPACKET`` socket pair (message boundaries, fds by SCM_
 * ``R<pid> <pid>...``: reap those workers and stop watching their groups.
 * end-of-file: the supervisor is gone; kill every watched group and exit.
 
-The parent-death signal (SIGUSR1, set with ``prctl``) does the same when the supervisor
-is SIGKILLed.
+The parent-death signal (set with ``prctl``) does the same when the supervisor is
+SIGKILLed. It is ``SIGRTMIN``, a real-time signal that no scheduler, service manager or
+user sends a job. It was SIGUSR1, the usual choice for SLURM's ``--signal``, which SLURM
+sends to every process of the job: a checkpoint request took every worker down. It is
+still only a hint, which anyone may send with ``kill``: the handler kills only once the
+supervisor is really gone, that is once we were re-parented (the kernel re-parents a
+child before it sends the parent-death signal). The job's signals (SIGTERM, SIGUSR1...,
+``JOB_SIGNALS`` of ``_platform``, given on the command line) are held blocked: a
+scheduler sends them to us with the supervisor and the workers, and the teardown is the
+supervisor's to do (a worker starts with an empty mask).
 """
 
 from __future__ import annotations
@@ -60,13 +68,15 @@ if TYPE_CHECKING:
 _signal: Any = __import__("_signal")
 
 _MAX_MSG = 1 << 20
-_DEATH_SIGNAL = _signal.SIGUSR1
-#: Every signal a worker gets back at its default disposition (the watchdog ignores
-#: SIGINT; an inherited ignored SIGPIPE or SIGXFSZ would change what a write failure does).
+_DEATH_SIGNAL = _signal.SIGRTMIN
+#: Every signal a worker gets back at its default disposition (an inherited ignored
+#: SIGPIPE or SIGXFSZ would change what a write failure does).
 _DEFAULT_SIGNALS = sorted(_signal.valid_signals() - {_signal.SIGKILL, _signal.SIGSTOP})
 _FD = struct.Struct("i")
 
 groups: set[int] = set()
+#: The supervisor's pid (from the command line).
+parent = 0
 
 
 def kill_all(*_: object) -> None:
@@ -77,6 +87,17 @@ def kill_all(*_: object) -> None:
         except OSError:
             pass
     os._exit(0)
+
+
+def _parent_died(*_: object) -> None:
+    """The parent-death signal: kill every group if the supervisor is really gone.
+
+    Re-parented means gone (a parent *thread* that exits while its process lives hands
+    us to a sibling thread: same pid, nothing to do). Anything else is a ``kill`` of the
+    signal by someone, which is no reason to kill the workers.
+    """
+    if os.getppid() != parent:
+        kill_all()
 
 
 def _read_all(fd: int) -> bytes:
@@ -316,15 +337,20 @@ class _Server:
 
 
 def main() -> None:
-    """``_watchdog_process.py PARENT_PID SOCKET_FD MAX_BATCH``.
+    """``_watchdog_process.py PARENT_PID SOCKET_FD MAX_BATCH JOB_SIGNALS``.
 
     ``MAX_BATCH``: the most starts one message carries, as the supervisor sends them
     (``aioelastic._core.start._binary_start.MAX_BATCH``, the one place it is set).
+    ``JOB_SIGNALS``: the signal numbers to hold blocked, comma-separated (``_platform``'s,
+    the one place they are listed).
     """
+    global parent
     parent, sock_fd, max_batch = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    _signal.signal(_DEATH_SIGNAL, kill_all)
-    # Ctrl-C at a terminal reaches the supervisor's group: the safety net must stay.
-    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)
+    # Ctrl-C at a terminal reaches the supervisor's group, a scheduler's SIGTERM every
+    # process of the job: the safety net must stay until the supervisor says or dies.
+    # Blocked before any thread exists (fallback waiters inherit the mask).
+    _signal.pthread_sigmask(_signal.SIG_BLOCK, {int(s) for s in sys.argv[4].split(",")})
+    _signal.signal(_DEATH_SIGNAL, _parent_died)
     try:
         # The process's own namespace: libc is linked into every CPython on Linux.
         ctypes.CDLL(None).prctl(1, int(_DEATH_SIGNAL), 0, 0, 0)  # PR_SET_PDEATHSIG

@@ -150,6 +150,14 @@ class GroupOptions:
         "whatever is left when the grace period ends is SIGKILLed. ``False`` (the default, "
         "as torchrun): the whole group gets it at once. See docs/reliability.md.",
     )
+    forward_signals: Collection[int] = _option(
+        (),
+        values.forwarded_signals,
+        "Signals passed on to every worker while the group runs, which goes on (e.g. "
+        '``"USR1,USR2"``, a scheduler\'s checkpoint request): each is sent to each '
+        "running worker's process, not its process group, and a worker that does not "
+        "handle it dies of it, an ordinary failure. None by default. See docs/signals.md.",
+    )
     collapse_identical_lines: float | None = _option(
         None,
         values.collapse_window,

@@ -40,6 +40,7 @@ from ..start._watchdog import watchdog
 from ..worker._process import WorkerProcess
 from ..worker._teardown import stop_workers
 from . import _preparing as preparing, _settle as settle
+from ._forwarding import Forwarding
 from ._group_io import GroupIO
 from ._group_views import GroupViews
 from ._start_methods import start_method
@@ -81,6 +82,7 @@ class PContext(GroupViews):
         self._spec = spec
         self._method = start_method(spec)
         self._workers: list[WorkerProcess] = []
+        self._forwarding = Forwarding(spec.options.forward_signals, self._workers, spec.name)
         self._output = OutputTarget(OutputHub())
         # A worker that does not run our hooks never answers a stack request: no FIFO.
         stack_ranks = [r for r in range(spec.nprocs) if self._method.runs_python(r)]
@@ -144,6 +146,7 @@ class PContext(GroupViews):
             await self._start_watchdog()
             self._callbacks = callback_context()
             self._group = AsyncExitStack()
+            await self._forwarding.handle(self._group)
             self._tg = await self._group.enter_async_context(anyio.create_task_group())
             # From here a failed start is undone by close(), the group's one teardown,
             # which removes the FIFOs with the group's other files.
@@ -155,6 +158,7 @@ class PContext(GroupViews):
             self._phase = Phase.RUNNING
         if self._hangs.watching:
             self._tg.start_soon(self._run_hangs)
+        self._forwarding.start(self._tg)
         if self._output.owned:
             self._output.hub.seal()  # every stream exists now: the last one ends output()
         # A worker that failed while its siblings were still starting had its teardown
@@ -381,6 +385,7 @@ class PContext(GroupViews):
         """The one teardown of the group's workers; then the group is STOPPED."""
         if self._hang_scope is not None:
             self._hang_scope.cancel()
+        self._forwarding.stop()
         try:
             with anyio.CancelScope(shield=True):
                 await stop_workers(

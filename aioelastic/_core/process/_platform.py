@@ -352,8 +352,41 @@ def returncode_from_siginfo(info: os.waitid_result) -> int:
 #: Signals whose disposition a new worker gets reset (all but SIGKILL and SIGSTOP).
 RESETTABLE_SIGNALS = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP}
 
+_JOB_SIGNAL_NAMES = "HUP INT QUIT TERM USR1 USR2 ALRM VTALRM PROF XCPU PWR"
+JOB_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, f"SIG{name}")
+    for name in _JOB_SIGNAL_NAMES.split()
+    if hasattr(signal, f"SIG{name}")
+)
+"""The signals sent to tell a job's processes something: stop, or checkpoint, reload...
 
-def default_signal_state(python: bool) -> None:
+A scheduler sends them to *every* process of a job at once: SLURM on ``scancel``, at
+the time limit and for ``--signal``; systemd's ``KillMode=control-group``; Kubernetes
+to the processes of a terminating pod. So the supervisor's helper processes (the
+watchdog, the fork server and its spares) get them as well as the supervisor and the
+workers, and must not act on them: a helper that died of SIGTERM took the workers
+down with it (SIGKILLed before their own SIGTERM handlers ran). Helpers hold them
+blocked (`hold_job_signals`); they are the signals a group may forward to its workers.
+Faults (SIGSEGV...), job control (SIGTSTP, SIGCONT...), SIGCHLD, SIGPIPE, SIGWINCH and
+the real-time signals are not among them.
+"""
+
+
+def hold_job_signals() -> None:
+    """Keep every one of `JOB_SIGNALS` blocked in this thread (see there).
+
+    In a helper process, and in the launcher threads that start helpers and workers.
+
+    Blocked, not ignored: a child forked from the helper inherits the mask, and a signal
+    sent to it before it becomes a worker stays pending until the worker empties its
+    mask (`default_signal_state`), then acts as it would have; an ignored one would be
+    lost (a teardown's SIGTERM to a worker still starting). Done before the helper makes
+    any thread, which inherits the mask.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, JOB_SIGNALS)
+
+
+def default_signal_state(python: bool, held: Collection[int] = ()) -> None:
     """In a new worker, before it runs user code: every disposition default, none blocked.
 
     What the supervisor inherited (``SIGHUP`` ignored under ``nohup``, ``SIGINT`` ignored
@@ -366,6 +399,9 @@ def default_signal_state(python: bool) -> None:
     ``spawn`` first thing in the new interpreter, binaries between fork and exec (exec
     resets handlers but keeps ignored signals and the mask; with ``os.posix_spawn`` the
     equivalent is ``setsigdef=RESETTABLE_SIGNALS, setsigmask=()``).
+
+    ``held``: the mask to leave instead of an empty one (a fork server's spare, a helper
+    until it becomes a worker, keeps `JOB_SIGNALS` blocked without a moment's gap).
     """
     ignored = {signal.SIGPIPE, signal.SIGXFSZ} if python else set()
     for sig in RESETTABLE_SIGNALS:
@@ -377,7 +413,7 @@ def default_signal_state(python: bool) -> None:
             signal.signal(sig, handler)
         except (OSError, ValueError):
             pass  # a real-time signal reserved by the C library
-    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def ensure_default_sigchld() -> None:

@@ -22,10 +22,13 @@ from __future__ import annotations
 import math
 import os
 import re
+import signal
 import string
 from collections.abc import Callable, Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+from ._platform import JOB_SIGNALS
 
 __all__ = [
     "MAX_COLLAPSE_WINDOW",
@@ -37,6 +40,7 @@ __all__ = [
     "collapse_window",
     "duration",
     "field",
+    "forwarded_signals",
     "integer",
     "split_items",
     "log_dir",
@@ -314,6 +318,34 @@ def module_names(value: object) -> tuple[str, ...]:
         if item not in names:
             names.append(item)
     return tuple(names)
+
+
+def forwarded_signals(value: object) -> tuple[signal.Signals, ...]:
+    """Signals passed on to the workers: ``"USR1,USR2"`` or ``(signal.SIGUSR1,)``; ``""``: none.
+
+    A name with or without its ``SIG`` (``USR1``, ``SIGUSR1``, as ``kill -s`` takes it).
+    Only the signals sent to tell a job something (``_platform.JOB_SIGNALS``): a fault,
+    job control or SIGCHLD passed on would be a mistake, not a request.
+    """
+    example = "USR1,USR2"
+    if isinstance(value, str) and not value.strip():
+        return ()
+    found: list[signal.Signals] = []
+    for item in split_items(value, "signals", example):
+        if isinstance(item, str):
+            text = item.upper()
+            sig = getattr(signal, text if text.startswith("SIG") else f"SIG{text}", None)
+        elif isinstance(item, int) and not isinstance(item, bool):
+            sig = next((s for s in signal.Signals if s == item), None)
+        else:
+            raise TypeError(f"{item!r} is not a signal name or number; e.g. {example}")
+        if sig not in JOB_SIGNALS:
+            names = ",".join(s.name.removeprefix("SIG") for s in JOB_SIGNALS)
+            raise ValueError(f"{item!r} is not a signal that can be forwarded; one of {names}")
+        assert isinstance(sig, signal.Signals)
+        if sig not in found:
+            found.append(sig)
+    return tuple(found)
 
 
 def split_items(value: object, what: str, example: str) -> list[object]:

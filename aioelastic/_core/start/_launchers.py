@@ -46,8 +46,14 @@ def launcher_pool() -> ThreadPoolExecutor:
     with runtime.lock:
         if runtime.launcher_pool is None:
             _platform.load_prctl()
+            # Each thread holds the job's signals blocked (the main thread takes them): a
+            # helper it starts (the watchdog, a fork server) inherits the mask through
+            # exec, and is never without it until it holds them itself; a worker it
+            # starts empties its mask first thing, and a signal sent meanwhile then acts.
             runtime.launcher_pool = ThreadPoolExecutor(
-                _LAUNCHER_THREADS, thread_name_prefix="aioelastic-launch"
+                _LAUNCHER_THREADS,
+                thread_name_prefix="aioelastic-launch",
+                initializer=_platform.hold_job_signals,
             )
         return runtime.launcher_pool
 

@@ -28,8 +28,10 @@ started. The start protocol itself (the messages, their answers, the batches) li
 its launcher in :mod:`._binary_start`; this module is the handle on the process.
 
 It runs with ``-I -S`` (no site import, stdlib only; see :mod:`..child._watchdog_process`). It
-ignores SIGINT and sits in its own process group so that Ctrl-C at a terminal, which
-reaches the supervisor's group, does not remove the safety net first.
+sits in its own process group and holds the job's signals blocked (SIGINT, SIGTERM,
+SIGUSR1..., ``_platform.JOB_SIGNALS``): neither Ctrl-C at a terminal, which reaches the
+supervisor's group, nor a scheduler's SIGTERM to every process of the job removes the
+safety net first, or takes the workers down before the supervisor's teardown.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ class Watchdog:
                         str(os.getpid()),
                         str(theirs.fileno()),
                         str(MAX_BATCH),
+                        ",".join(str(int(sig)) for sig in _platform.JOB_SIGNALS),
                     ],
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,

@@ -69,6 +69,9 @@ __all__ = ["LocalElasticAgent"]
 
 logger = logging.getLogger("aioelastic.agent")
 
+#: Signals whose default action would end the run, held while it runs (see ``run``).
+_HELD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
 
 class LocalElasticAgent:
     """Runs this node's workers through rendezvous, failures and membership changes.
@@ -176,6 +179,13 @@ class LocalElasticAgent:
             shutdown_timeout=shutdown_timeout,
             **group_options,
         )
+        both = set(self._config.signals) & set(self._config.options.forward_signals)
+        if both:
+            names = ",".join(sorted(signal.Signals(s).name for s in both))
+            raise ValueError(
+                f"{names} both stops the run (signals_to_handle) and is forwarded to the "
+                "workers (forward_signals): a signal does one or the other; drop it from one"
+            )
         self._spec = spec
         self._group = WorkerGroup(spec)
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.
@@ -282,6 +292,14 @@ class LocalElasticAgent:
                     return await self._loop.run(rdzv, None)
                 scope = await stack.enter_async_context(handle_signals(self._config.signals))
                 await stack.enter_async_context(scope.escalate(self._kill_now))
+                # SIGUSR1/SIGUSR2's default action ends a process: a scheduler's checkpoint
+                # request (SLURM's --signal, sent to every process of the job, the workers
+                # included) would kill the launcher and with it every worker. Held for the
+                # whole run, between attempts too, unless they stop it; the group passes
+                # them on to its workers only when its forward_signals name them.
+                held = [s for s in _HELD_SIGNALS if s not in self._config.signals]
+                if held:
+                    await stack.enter_async_context(handle_signals(held))
                 return await scope.run_until_signal(self._loop.run(rdzv, scope))
         except SignalReceived as e:
             self._group.state = WorkerState.STOPPED

@@ -220,6 +220,7 @@ class LaunchConfig:
     stop_leader_first: bool = False
     collapse_identical_lines: float | None = None
     replace_lost_nodes: bool = True
+    forward_signals: Collection[int] | str = ()
     options: GroupOptions | None = None
     _resolved: _Derived = field(init=False, repr=False, compare=False)
 

@@ -181,7 +181,8 @@ def rdzv_conf(value: object, backend: str | None = None) -> dict[str, Any]:
     """torchrun's ``--rdzv-conf``: ``KEY=VALUE,KEY=VALUE`` (or a mapping) to a dict.
 
     Args:
-        value: the text, or a mapping of option names to values.
+        value: the text (one pair of quotes around it removed), or a mapping of option
+            names to values.
         backend: the rendezvous backend the options are for; for one of torch's own
             (`RDZV_OPTIONS`) each option is checked by `rdzv_options`. None, or a backend
             registered under another name, checks only the form.
@@ -198,7 +199,12 @@ def rdzv_conf(value: object, backend: str | None = None) -> dict[str, Any]:
         raise TypeError(f"{value!r} is not KEY=VALUE,... or a dict")
     else:
         config = {}
-        for item in value.split(",") if value.strip() else ():
+        text = value.strip()
+        if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+            # Quotes a shell would have removed, kept by a command given as a list
+            # (torch's own tests pass --rdzv-conf='join_timeout=5,...' so).
+            text = text[1:-1]
+        for item in text.split(",") if text.strip() else ():
             key, sep, text = item.partition("=")
             key, text = key.strip(), text.strip()
             if not key or not sep or not text:
