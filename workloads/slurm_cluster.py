@@ -72,10 +72,13 @@ def missing_programs() -> list[str]:
     return [name for name in PROGRAMS if shutil.which(name) is None]
 
 
-def _config(directory: Path, ports: Sequence[int]) -> str:
+def _config(directory: Path, ports: Sequence[int], first_job_id: int) -> str:
     controller_port, *node_ports = ports
     lines = [
         "ClusterName=aioelastic",
+        # aioelastic-run's store port comes from the job id: two clusters on one machine
+        # (test sessions, a benchmark) that both count from 1 would meet on it.
+        f"FirstJobId={first_job_id}",
         "SlurmctldHost=localhost(127.0.0.1)",
         f"SlurmctldPort={controller_port}",
         "AuthType=auth/munge",
@@ -138,10 +141,19 @@ class Run:
 class SlurmCluster:
     """Three nodes, a controller and munge, all under ``directory``; see the module doc."""
 
-    def __init__(self, directory: Path, private_env: Sequence[str] = ()) -> None:
-        """A cluster under ``directory``; ``private_env``: variables the daemons do not get."""
+    def __init__(
+        self, directory: Path, private_env: Sequence[str] = (), first_job_id: int = 1
+    ) -> None:
+        """A cluster under ``directory``.
+
+        Args:
+            directory: where its configuration, state, sockets and logs go.
+            private_env: variables of this process's environment the daemons do not get.
+            first_job_id: the first job's id (SLURM's ``FirstJobId``).
+        """
         self.directory = directory
         self._private_env = tuple(private_env)
+        self._first_job_id = first_job_id
         self.conf = directory / "slurm.conf"
         self.env = {**os.environ, "SLURM_CONF": str(self.conf)}
         self._daemons: dict[str, subprocess.Popen[bytes]] = {}
@@ -160,7 +172,9 @@ class SlurmCluster:
         key = self.directory / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
-        self.conf.write_text(_config(self.directory, _free_ports(1 + len(NODES))))
+        self.conf.write_text(
+            _config(self.directory, _free_ports(1 + len(NODES)), self._first_job_id)
+        )
         (self.directory / "hosts").write_text(
             "127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for n, a in ADDRESSES.items())
         )

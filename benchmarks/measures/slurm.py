@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import select
 import shlex
 import signal
@@ -91,7 +92,9 @@ def _cluster() -> SlurmCluster:
     """The driver's cluster, started on first use and stopped when the driver exits."""
     if _CLUSTER:
         return _CLUSTER[0]
-    cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="slurm-")))
+    # Job ids (so aioelastic-run's derived store ports) apart from other clusters' here.
+    first_job_id = random.randrange(1_000, 1_000_000)
+    cluster = SlurmCluster(Path(tempfile.mkdtemp(prefix="slurm-")), first_job_id=first_job_id)
     atexit.register(cluster.close)
     try:
         cluster.start()
