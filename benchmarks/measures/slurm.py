@@ -295,10 +295,15 @@ def _scancel(ctx: RepContext, module: str) -> dict[str, float]:
         step.ready(ctx.n * len(HOSTS))
         started = now_ns()
         step.cluster.command(["scancel", step.job()])
-        if step.wait(SCANCEL_LIMIT_S) is None:
+        code = step.wait(SCANCEL_LIMIT_S)
+        if code is None:
             raise RepTimeout(SCANCEL_LIMIT_S)
         ended = now_ns()
-        return {"handled": len(set(step.noted("TERM"))), "ended": seconds(ended - started)}
+        return {
+            "handled": len(set(step.noted("TERM"))),
+            "ended": seconds(ended - started),
+            "status": code,
+        }
 
 
 def _usr1(ctx: RepContext, module: str) -> dict[str, float]:
@@ -375,17 +380,22 @@ def torchrun(ctx: RepContext) -> dict[str, float]:
 
 
 _M = "benchmarks.measures.slurm"
-WORLD = Metric("world", "ranks in the largest job formed (of 6)", True, ratio=False)
-JOBS = Metric("jobs", "jobs formed", ratio=False)
+WORLD = Metric("world", "ranks in the largest job formed (of 6)", True, ratio=False, count=True)
+JOBS = Metric("jobs", "jobs formed", ratio=False, count=True)
 STEP = Metric("step", "ms from srun to its exit", scale=1000.0)
-HANDLED = Metric("handled", "ranks whose SIGTERM handler ran (of 6)", True, ratio=False)
+HANDLED = Metric("handled", "ranks whose SIGTERM handler ran (of 6)", True, ratio=False, count=True)
 ENDED = Metric("ended", "ms from scancel to srun's exit", scale=1000.0)
-USR1 = Metric("usr1", "ranks that noted USR1 (of 6)", True, ratio=False)
-DELIVERIES = Metric("deliveries", "USR1 notes, one per delivery", ratio=False)
+STATUS = Metric("status", "srun's exit status (143: SIGTERM's)", ratio=False, count=True)
+USR1 = Metric("usr1", "ranks that noted USR1 (of 6)", True, ratio=False, count=True)
+DELIVERIES = Metric("deliveries", "USR1 notes, one per delivery", ratio=False, count=True)
 TRAINING = Metric(
-    "training", f"ranks still training in the job {SETTLE_S:g} s later (of 6)", True, ratio=False
+    "training",
+    f"ranks still training in the job {SETTLE_S:g} s later (of 6)",
+    True,
+    ratio=False,
+    count=True,
 )
-ORPHANED = Metric("orphaned", "ranks left running without their launcher", ratio=False)
+ORPHANED = Metric("orphaned", "ranks left running without their launcher", ratio=False, count=True)
 LOST_ENDED = Metric("lost", "ms from the crash to both surviving launchers' exit", scale=1000.0)
 RECOVERED = Metric(
     "recovered", "ms from the crash to the 4 survivors back in user code", scale=1000.0
@@ -460,6 +470,7 @@ MEASURE = Measure(
         STEP,
         HANDLED,
         ENDED,
+        STATUS,
         USR1,
         DELIVERIES,
         TRAINING,
@@ -473,7 +484,8 @@ MEASURE = Measure(
         f"repetition is a job step `{_STEP} ... train.py MODE`, N ranks per node (gloo), the "
         "launcher started by `sh -c '...; exec LAUNCHER ...'`, which records its pid. *the "
         "step alone*: no flag on either side (torchrun's master port one per node, as on "
-        "separate machines); *scancel*: `scancel JOB` while every rank trains; *USR1*: "
+        "separate machines); *scancel*: `scancel JOB` while every rank trains (a rank "
+        "exits at once, `os._exit(0)`, once its handler ran); *USR1*: "
         f"`scancel --signal=USR1 JOB`, the ranks that noted it within {SIGNAL_WAIT_S:g} s and "
         f"those still running {SETTLE_S:g} s later; *node lost*: `srun --no-kill`, n3 crashes "
         "(every process on it SIGKILLed, its daemon too), to both surviving launchers' exit or, "
@@ -501,7 +513,7 @@ MEASURE = Measure(
         _group(
             "scancel",
             (_OURS, TORCH_SLURM),
-            (_row("scancel while training", _OURS, TORCH_SLURM, HANDLED, ENDED),),
+            (_row("scancel while training", _OURS, TORCH_SLURM, HANDLED, ENDED, STATUS),),
         ),
         _group(
             "usr1",
