@@ -526,6 +526,7 @@ MEASURE = Measure(
                     USR1,
                     TRAINING,
                     DELIVERIES,
+                    ORPHANED,
                 ),
             ),
         ),
