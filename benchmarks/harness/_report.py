@@ -71,8 +71,8 @@ def _fmt(value: float | None, metric: Metric, limit: float | None = None) -> str
     if math.isinf(value):
         return f"> {(limit or 0) * metric.scale:.0f}"
     shown = value * metric.scale
-    if shown == 0:
-        return "0"
+    if shown == 0 or (metric.count and shown == round(shown)):
+        return f"{shown:.0f}"
     if abs(shown) >= 100:
         return f"{shown:.0f}"
     if abs(shown) >= 10:

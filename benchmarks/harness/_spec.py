@@ -32,6 +32,8 @@ class Metric:
         scale: multiplier applied for display only (``1000`` with unit ``ms``).
         ratio: whether a ratio of the two sides means anything (not for counts of
             lost lines, where both should be zero).
+        count: a number of things (ranks, jobs): a whole median is printed without
+            decimals.
     """
 
     name: str
@@ -39,6 +41,7 @@ class Metric:
     higher_is_better: bool = False
     scale: float = 1.0
     ratio: bool = True
+    count: bool = False
 
 
 SECONDS = Metric("seconds", "ms", scale=1000.0)

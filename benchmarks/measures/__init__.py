@@ -1,4 +1,4 @@
-"""The measures of the suite, in the order they run and print (issue #7's a..h, then i..l)."""
+"""The measures of the suite, in the order they run and print (issue #7's a..h, then i..m)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from benchmarks.measures import (
     multinode,
     restart,
     scale,
+    slurm,
     startup,
     teardown,
     tee,
@@ -36,4 +37,5 @@ def all_measures() -> list[Measure]:
         scale.MEASURE,
         multinode.MEASURE,
         burst.MEASURE,
+        slurm.MEASURE,
     ]

@@ -17,7 +17,7 @@ ROOMS = {"programs": 0, "harness": 1, "measures": 2}
 #: Modules at the top level: the commands (and the package's docstring).
 COMMANDS = {"__init__", "__main__", "cpu_split", "resources"}
 #: Run as scripts by the launchers under test: they must stand alone.
-SCRIPTS = {"_gloo", "_trivial", "_multinode_job"}
+SCRIPTS = {"_gloo", "_trivial", "_multinode_job", "_slurm_job"}
 
 
 def _room(module: str) -> int:

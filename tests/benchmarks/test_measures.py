@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -157,3 +158,28 @@ def test_multinode_stamps_each_exit_and_gives_up_at_the_deadline() -> None:
             proc.wait(timeout=10)
         for fd in fds:
             os.close(fd)
+
+
+def test_slurm_runs_in_full_runs_only_on_one_cluster_and_only_torch_has_glue(
+    tmp_path: Path,
+) -> None:
+    from benchmarks.harness._run import Plan, _params
+    from benchmarks.harness._spec import RepContext
+    from benchmarks.measures import slurm
+
+    assert slurm.MEASURE.letter == "m"
+    plan = Plan(measures=[slurm.MEASURE], quick=True)
+    for group in slurm.MEASURE.groups:
+        # A step imports torch in six ranks (~25 s here): never in --quick.
+        assert plan.systems_for(group, 2) == []
+        for system in group.systems:
+            # One driver, so one cluster, for both sides, repetitions interleaved.
+            assert system.driver_name == slurm.DRIVER
+            ctx = RepContext(2, _params(group, system, False), tmp_path, False)
+            script = slurm._script(ctx, "launcher", "train")
+            where = f"{group.name}: {system.label}"
+            assert subprocess.run(["sh", "-n", "-c", script]).returncode == 0, where
+            ours = system.kind == "aioelastic"
+            assert ("--rdzv" in script) == (not ours and system.label != slurm.TORCH_ALONE), where
+            assert ("PET_MASTER_PORT" in script) == (system.label == slurm.TORCH_ALONE), where
+            assert "exec " in script.splitlines()[-1], where

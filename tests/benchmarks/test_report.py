@@ -283,3 +283,12 @@ def test_no_scale_figure_is_drawn_from_a_run_without_the_scale_measures(
     assert plot_scale(startup_only, path) is False
     assert not path.exists()
     assert "neither binary (i) nor scale (j)" in capsys.readouterr().err
+
+
+def test_a_whole_count_is_printed_without_decimals() -> None:
+    from benchmarks.harness._report import _fmt
+
+    ranks = Metric("ranks", "ranks", ratio=False, count=True)
+    assert [_fmt(v, ranks) for v in (6.0, 0.0, 4.5)] == ["6", "0", "4.50"]
+    # Not a count: the same figure keeps its decimals.
+    assert _fmt(6.0, Metric("x", "x", ratio=False)) == "6.00"
