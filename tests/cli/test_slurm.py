@@ -11,6 +11,7 @@ queue. Bounds: SLURM's own (``KillWait``, ``SlurmdTimeout`` of the test cluster)
 from __future__ import annotations
 
 import re
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -182,14 +183,17 @@ def test_scancel_lets_every_rank_on_every_node_run_its_handler(
         run.wait_for(re.compile(r"training rank="), 6, START_TIMEOUT)
         cancelled = time.monotonic()
         assert slurm.command(["scancel", job_id(slurm, out.name)]).code == 0
-        run.finish(KILL_WAIT + 30)
+        code = run.finish(KILL_WAIT + 30)
         ended = time.monotonic() - cancelled
     assert signal_lines(out, "TERM") == set(range(6)), (out / "signals").read_text()
     assert len(re.findall(r"checkpointed rank=", run.stdout)) == 6, run.stdout
     # The launchers end before SLURM's SIGKILL at KillWait (the grace fits inside it),
     # with up to 5 s for SLURM to notice the tasks' end and srun to close.
     assert ended < KILL_WAIT + 5, ended
-    assert "SIGTERM" in run.stderr, run.stderr
+    # 143: every launcher ended by itself, stopped by SIGTERM; SLURM's SIGKILL at KillWait
+    # (a grace longer than KillWait) would leave srun reporting a task killed instead.
+    assert code == 128 + signal.SIGTERM, run.stderr
+    assert run.stderr.count("aioelastic-run: stopped by SIGTERM") == 3, run.stderr
 
 
 def test_a_user_signal_reaches_every_rank_and_the_job_goes_on(
