@@ -407,7 +407,6 @@ TORCH_GLUE = (
     "torchrun --nnodes 3 --rdzv-backend c10d --rdzv-endpoint $first_host:PORT "
     "--rdzv-id $SLURM_JOB_ID --monitor-interval 0.01"
 )
-FORWARD = "--forward-signals USR1,USR2"
 ELASTIC = "--nnodes 2:3 --max-restarts 3"
 TORCH_ELASTIC = TORCH_GLUE.replace("--nnodes 3", "--nnodes 2:3 --max-restarts 3") + (
     f" --rdzv-conf {TORCH_TUNED_CONF}"
@@ -450,7 +449,7 @@ def _row(case: str, ours: System, theirs: System, *metrics: Metric) -> Row:
     return Row(case, ours.label, theirs.label, metric=names[0], metrics=names)
 
 
-_OURS, _FORWARDING, _ELASTIC = _ours(), _ours(FORWARD), _ours(ELASTIC)
+_OURS, _ELASTIC = _ours(), _ours(ELASTIC)
 _ALONE = _torch(TORCH_ALONE, "separate")
 _TORCH_ELASTIC = _torch(
     TORCH_ELASTIC,
@@ -517,11 +516,11 @@ MEASURE = Measure(
         ),
         _group(
             "usr1",
-            (_FORWARDING, TORCH_SLURM),
+            (_OURS, TORCH_SLURM),
             (
                 _row(
                     "scancel --signal=USR1 while training",
-                    _FORWARDING,
+                    _OURS,
                     TORCH_SLURM,
                     USR1,
                     TRAINING,
