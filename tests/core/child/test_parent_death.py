@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests.support.audit import MARK_VAR, processes_with_env
 from tests.support.waits import is_running, make_fifo, read_line, wait_gone
 
 pytestmark = pytest.mark.asyncio
@@ -52,6 +54,11 @@ async def test_sigkill_of_the_supervisor_kills_its_workers(tmp_path: Path, metho
     await proc.wait()
     for pid in pids:
         # Workers: the kernel's parent-death signal. Their children: the watchdog.
+        await wait_gone(pid, timeout=10.0)
+    # And every helper it started (a fork server and its spares: their own parent-death
+    # signals), which on a loaded machine may still be on its way out as the workers are
+    # gone: found by the test's mark in their environment.
+    for pid in processes_with_env(MARK_VAR, os.environ[MARK_VAR]):
         await wait_gone(pid, timeout=10.0)
     await proc.aclose()
 
