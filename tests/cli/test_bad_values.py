@@ -124,6 +124,10 @@ BAD_VALUES: list[tuple[list[str], dict[str, str], list[Callable[[], None]], str]
      "'TERM' is not a signal name; write 'SIGTERM'"),
     (["--signals-to-handle", "SIGTERM,SIGKILL"], {},
      [lambda: _config(signals_to_handle="SIGTERM,SIGKILL")], "SIGKILL cannot be handled"),
+    (["--forward-signals", "HUP"], {},
+     [lambda: _config(forward_signals="HUP"), lambda: _agent(forward_signals="HUP")],
+     "SIGHUP both stops the run (signals_to_handle) and is forwarded to the workers "
+     "(forward_signals): a signal does one or the other; drop it from one"),
     (["--ranks-filter", "5-2"], {},
      [lambda: _config(ranks_filter="5-2"), lambda: _agent(ranks_filter="5-2")],
      "'5-2' is not a comma-separated list of global ranks and ranges (e.g. 0,8-15)"),

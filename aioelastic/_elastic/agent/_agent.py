@@ -179,13 +179,6 @@ class LocalElasticAgent:
             shutdown_timeout=shutdown_timeout,
             **group_options,
         )
-        both = set(self._config.signals) & set(self._config.options.forward_signals)
-        if both:
-            names = ",".join(sorted(signal.Signals(s).name for s in both))
-            raise ValueError(
-                f"{names} both stops the run (signals_to_handle) and is forwarded to the "
-                "workers (forward_signals): a signal does one or the other; drop it from one"
-            )
         self._spec = spec
         self._group = WorkerGroup(spec)
         # elastic_launch hands in its own hub: its subscribers exist before the agent does.

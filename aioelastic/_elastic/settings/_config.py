@@ -109,6 +109,15 @@ class AgentConfig:
         group = GroupOptions.of(
             group_options, options=options, torch=True, caller="LocalElasticAgent", nprocs=nprocs
         )
+        signals = values.field("signals_to_handle", node_values.signals, signal_text)
+        both = set(signals) & set(group.forward_signals)
+        if both:
+            names = ",".join(sorted(signal.Signals(s).name for s in both))
+            raise ValueError(
+                f"forward_signals: {names} both stops the run (signals_to_handle) and is "
+                "forwarded to the workers (forward_signals): a signal does one or the other; "
+                "drop it from one"
+            )
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             # Made a Path (and checked) by __post_init__.
@@ -117,7 +126,7 @@ class AgentConfig:
             exit_barrier_timeout=values.field(
                 "exit_barrier_timeout", values.duration, exit_barrier_timeout
             ),
-            signals=values.field("signals_to_handle", node_values.signals, signal_text),
+            signals=signals,
             exported_signals=signals_to_handle,
             run_id=run_id,
             metrics_port=None
