@@ -171,7 +171,8 @@ class LaunchConfig:
             ``min_nodes``, the others wait for a node to replace it, up to the rendezvous'
             join timeout. False: they end the run at once, naming the lost node — where
             nothing can replace it, as in a SLURM step, so that the scheduler can requeue
-            the job (``aioelastic-run`` sets it there).
+            the job (``aioelastic-run`` sets it there). Applies to the dynamic rendezvous
+            (``c10d``, ``etcd-v2``); the legacy ``etcd`` backend and custom handlers wait.
         options: the options of the workers' group as one `GroupOptions`. Each of its
             fields is also a field here, by torch's name for it: ``redirects``, ``tee``,
             ``shutdown_timeout``, ``log_line_prefix_template`` and the fields after
