@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -110,14 +110,7 @@ class AgentConfig:
             group_options, options=options, torch=True, caller="LocalElasticAgent", nprocs=nprocs
         )
         signals = values.field("signals_to_handle", node_values.signals, signal_text)
-        both = set(signals) & set(group.forward_signals)
-        if both:
-            names = ",".join(sorted(signal.Signals(s).name for s in both))
-            raise ValueError(
-                f"forward_signals: {names} both stops the run (signals_to_handle) and is "
-                "forwarded to the workers (forward_signals): a signal does one or the other; "
-                "drop it from one"
-            )
+        _refuse_forwarding_a_stop(signals, group.forward_signals)
         return cls(
             start_method=values.field("start_method", values.start_method, start_method),
             # Made a Path (and checked) by __post_init__.
@@ -137,4 +130,18 @@ class AgentConfig:
             replace_lost_nodes=values.field(
                 "replace_lost_nodes", values.boolean, replace_lost_nodes
             ),
+        )
+
+
+def _refuse_forwarding_a_stop(
+    stops: tuple[signal.Signals, ...], forwarded: Collection[int]
+) -> None:
+    """Refuse a signal that would both stop the run and be passed on to the workers."""
+    both = set(stops) & set(forwarded)
+    if both:
+        names = ",".join(sorted(signal.Signals(s).name for s in both))
+        raise ValueError(
+            f"forward_signals: {names} both stops the run (signals_to_handle) and is "
+            "forwarded to the workers (forward_signals): a signal does one or the other; "
+            "drop it from one"
         )
